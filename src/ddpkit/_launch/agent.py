@@ -347,14 +347,13 @@ def install(
     progress records go to shared memory, else to ``run_dir/progress``."""
     use_agent(launcher_api, Agent)
     Agent.policy = stall if stall is not None else watch.StallPolicy(floor=0)
-    watch.open_folder((run_dir or Path.cwd()) / "progress")
+    # made by the agent, which outlives every attempt: a restarted worker finds its state there
+    job = memory_folder.open_job_folder(memory=os.environ.get(memory_folder.OFF_ENV) != "0")
+    watch.open_folder(job, (run_dir or Path.cwd()) / "progress")
     _forward_signals()
     if fork_server:
         forked.install(preload, display)
     Agent.in_place = in_place
-    # made by the agent, which outlives every attempt: a restarted worker finds its state there
-    if os.environ.get(memory_folder.OFF_ENV) != "0":
-        memory_folder.open_job_folder()
 
 
 def ignore_requests() -> None:
@@ -373,4 +372,4 @@ def uninstall() -> None:
     Agent.current = None
     Agent.in_place = None
     memory_folder.close_job_folder()
-    watch.close_folder()
+    os.environ.pop(watch.DIR_ENV, None)

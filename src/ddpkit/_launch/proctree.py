@@ -77,6 +77,13 @@ def parent_of(pid: int) -> int | None:
     return stat[1] if stat is not None else None
 
 
+def start_time(pid: int) -> int | None:
+    """The start time of ``pid`` in clock ticks since boot (with the pid, its identity); None once
+    it is gone."""
+    stat = _stat(pid)
+    return stat[3] if stat is not None else None
+
+
 def wait_exit(pid: int, timeout: float | None) -> bool | None:
     """Wait until ``pid`` has exited (zombie or reaped), at most ``timeout`` seconds; whether it
     has. None where there are no pidfds (a kernel before 5.3, a seccomp profile): the caller
@@ -249,8 +256,7 @@ def start_guard() -> int | None:
     if not LINUX:
         return None
     worker = os.getpid()
-    stat = _stat(worker)
-    mark = f"{worker}.{stat[3] if stat else 0}"  # with the start time: a reused pid never matches
+    mark = f"{worker}.{start_time(worker)}"  # with the start time: a reused pid never matches
     os.environ[MARK] = mark
     # a worker that does not lead its group shares it with others (a shell's job): the mark only
     group = worker if os.getpgid(0) == worker else None

@@ -4,9 +4,7 @@ with every rank's state and stack, and killed (``on_stall="end"``). The rules: d
 
 from __future__ import annotations
 
-import contextlib
 import os
-import secrets
 import signal
 import socket
 import statistics
@@ -26,7 +24,6 @@ from ddpkit._launch.proctree import state_code
 from ddpkit._launch.watch_nodes import STATES, View
 from ddpkit._launch.worker import ask_stacks
 from ddpkit.distributed._progress import DIR_ENV, MAGIC, OPS, RECORD, SIZE, Phase
-from ddpkit.snapshot import _slots as memory_folder
 
 TIMEOUT_ENV = "DDPKIT_STALL_TIMEOUT"  # the floor without --stall-timeout; 0: off
 DEFAULT_FLOOR = 30.0
@@ -514,26 +511,14 @@ def parse_floor(option: str, text: str) -> float:
 ROOM = 1 << 20  # bytes of /dev/shm below which the records go to disk (a page a rank)
 
 
-def open_folder(fallback: Path) -> Path:
-    """Make the folder of this job's records and name it to the workers (``DIR_ENV``): in node-local
-    shared memory, with an owner so that a later job sweeps it if this agent is killed; else
-    ``fallback``."""
-    root = Path(os.environ.get(memory_folder.ROOT_ENV, "/dev/shm"))
-    try:
-        room = os.statvfs(root)
-        if room.f_bavail * room.f_frsize < ROOM:
-            raise memory_folder.FolderUnavailable(f"{root} has no room for the ranks' records")
-        base = memory_folder.private_base(root)
-        folder = memory_folder.owned_folder(base, f"progress-{secrets.token_hex(8)}", os.getpid())
-    except (OSError, memory_folder.FolderUnavailable):
-        folder = fallback
-        fs.make_dirs(folder)
+def open_folder(job: Path | None, fallback: Path) -> None:
+    """Make the folder of this job's records and name it to the workers (``DIR_ENV``): in ``job``,
+    the job's folder in shared memory (:func:`ddpkit.snapshot._slots.open_job_folder`), where it
+    has room, else ``fallback``."""
+    folder = fallback
+    if job is not None:
+        room = os.statvfs(job)
+        if room.f_bavail * room.f_frsize >= ROOM:
+            folder = job / "progress"
+    fs.make_dirs(folder)
     os.environ[DIR_ENV] = str(folder)
-    return folder
-
-
-def close_folder() -> None:
-    folder = os.environ.pop(DIR_ENV, None)
-    if folder and Path(folder).name.startswith("progress-"):
-        with contextlib.suppress(OSError):
-            fs.remove_tree(Path(folder))

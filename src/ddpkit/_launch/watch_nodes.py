@@ -368,11 +368,7 @@ class Exchange:
             present = others
         else:
             present = [n for n in others if self.store.check([KEY.format(n)])]
-        if not present:
-            return
-        keys = [KEY.format(n) for n in present]
-        many = getattr(self.store, "multi_get", None)  # one round trip, where torch has it
-        values = many(keys) if many is not None else [self.store.get(k) for k in keys]
+        values = self.store.multi_get([KEY.format(n) for n in present])  # one round trip
         now = self.clock()
         for n, raw in zip(present, values, strict=True):
             summary = decode(bytes(raw))

@@ -2,6 +2,7 @@
 files in it, and a slot's format and checks (docs/snapshots.md, "Snapshots in memory"). Layout::
 
     <root>/ddpkit-memory-<uid>/<nonce>/owner                  the agent's pid and start time
+    <root>/ddpkit-memory-<uid>/<nonce>/progress/              the stall watch's records
     <root>/ddpkit-memory-<uid>/<nonce>/<run>-rank<r>-<i>.slot  rank r's slots 0 and 1
 
 A slot is a commit record (its parts' offsets, lengths and checksums between ``begin`` and ``end``
@@ -30,6 +31,7 @@ import torch
 
 from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
+from ddpkit._launch.proctree import start_time
 from ddpkit.distributed._collectives import tensor_bytes
 from ddpkit.platforms import _torchrun as torchrun
 from ddpkit.snapshot._codec import checked_specs, views
@@ -73,20 +75,10 @@ class BadSlot(ValueError):
     """A whole slot that does not check: its message names the slot and what is wrong."""
 
 
-def start_time(pid: int) -> str | None:
-    """The start time of process ``pid`` in clock ticks since boot (with the pid, its identity), or
-    None if it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text.rsplit(")", 1)[1].split()[19]  # field 22; the command name in (...) may hold spaces
-
-
 def _owner_alive(folder: Path) -> bool:
     try:
         pid, started = (folder / "owner").read_text().split()
-        return start_time(int(pid)) == started
+        return start_time(int(pid)) == int(started)
     except (OSError, ValueError):
         return False
 
@@ -105,11 +97,15 @@ def private_base(root: Path) -> Path:
     return base
 
 
-def open_job_folder(pid: int | None = None) -> Path | None:
-    """Make this job's folder (the agent, once per job, stale ones swept first) and export it to the
-    workers; None, with the reason in :data:`UNAVAILABLE_ENV`, where memory is not usable."""
-    root = Path(os.environ.get(ROOT_ENV, "/dev/shm"))
-    pid = os.getpid() if pid is None else pid
+_job_folder: Path | None = None
+
+
+def open_job_folder(memory: bool = True) -> Path | None:
+    """Make this job's folder (the agent, once per job, stale ones swept first): the stall watch's
+    records and, with ``memory``, the workers' slots, its path exported to them. None, with the
+    reason in :data:`UNAVAILABLE_ENV` (``memory``), where memory is not usable."""
+    global _job_folder
+    root, pid = Path(os.environ.get(ROOT_ENV, "/dev/shm")), os.getpid()
     try:
         if not root.is_dir():
             raise FolderUnavailable(f"{root} does not exist")
@@ -117,33 +113,31 @@ def open_job_folder(pid: int | None = None) -> Path | None:
         for stale in base.iterdir():  # the folders of agents that are gone
             if stale.is_dir() and not stale.is_symlink() and not _owner_alive(stale):
                 fs.remove_tree(stale, root=base)
+        # renamed into place once its owner is written in it: a sweep never sees one without
         nonce = secrets.token_hex(8)
-        folder = owned_folder(base, nonce, pid)
+        tmp = base / f".{nonce}"
+        fs.make_dir(tmp, root=base, mode=0o700)
+        fs.write_atomic(tmp / "owner", f"{pid} {start_time(pid)}\n".encode(), root=base)
+        fs.rename(tmp, base / nonce, root=base)
     except (OSError, FolderUnavailable, ConfigError) as err:
-        os.environ[UNAVAILABLE_ENV] = str(err)
+        if memory:
+            os.environ[UNAVAILABLE_ENV] = str(err)
         return None
-    os.environ[DIR_ENV] = str(folder)
-    os.environ[KEY_ENV] = nonce
-    return folder
-
-
-def owned_folder(base: Path, name: str, pid: int) -> Path:
-    """``base/name``, private, renamed into place once its owner (``pid`` and its start time) is
-    written in it (a sweep never sees a folder without one)."""
-    tmp = base / f".{name}"
-    fs.make_dir(tmp, root=base, mode=0o700)
-    fs.write_atomic(tmp / "owner", f"{pid} {start_time(pid)}\n".encode(), root=base)
-    fs.rename(tmp, base / name, root=base)
-    return base / name
+    _job_folder = base / nonce
+    if memory:
+        os.environ[DIR_ENV] = str(_job_folder)
+        os.environ[KEY_ENV] = nonce
+    return _job_folder
 
 
 def close_job_folder() -> None:
     """Remove this job's folder (the agent, when the job ends however it ends)."""
-    folder = os.environ.pop(DIR_ENV, None)
-    os.environ.pop(KEY_ENV, None)
-    os.environ.pop(UNAVAILABLE_ENV, None)
-    if folder:
-        fs.remove_tree(Path(folder))
+    global _job_folder
+    for name in (DIR_ENV, KEY_ENV, UNAVAILABLE_ENV):
+        os.environ.pop(name, None)
+    if _job_folder is not None:
+        fs.remove_tree(_job_folder)
+        _job_folder = None
 
 
 def job_key() -> str | None:

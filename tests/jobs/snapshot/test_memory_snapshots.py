@@ -184,14 +184,9 @@ def use_reference(reference_dir: Path, tmp: Path) -> dict:
 
 
 def job_folders(tmp: Path) -> list[Path]:
-    """The memory folders of the jobs (the stall watch's ``progress-*`` folders beside them are
-    not)."""
+    """The folders of the jobs in shared memory."""
     base = tmp / "shm" / f"ddpkit-memory-{os.getuid()}"
-    return (
-        sorted(p for p in base.iterdir() if not p.name.startswith("progress-"))
-        if base.exists()
-        else []
-    )
+    return sorted(base.iterdir()) if base.exists() else []
 
 
 def steps_done(log: Path, rank: int = 0) -> int:

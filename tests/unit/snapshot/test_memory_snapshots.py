@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ddpkit._errors import ConfigError
+from ddpkit._launch import proctree
 from ddpkit.snapshot import _codec as codec
 from ddpkit.snapshot import _codec as region
 from ddpkit.snapshot import _slots as mf
@@ -179,7 +180,7 @@ def test_the_job_folder_is_private_and_stale_folders_of_dead_agents_are_swept(
     stale, live = base / "stale", base / "live"
     for folder, pid in ((stale, dead.pid), (live, os.getppid())):
         folder.mkdir()
-        (folder / "owner").write_text(f"{pid} {mf.start_time(pid)}\n")
+        (folder / "owner").write_text(f"{pid} {proctree.start_time(pid)}\n")
         (folder / "run-rank0-0.slot").write_bytes(b"x")
     folder = mf.open_job_folder()
     assert folder is not None and folder.parent == base and os.environ[mf.DIR_ENV] == str(folder)
@@ -237,3 +238,19 @@ def test_a_rank_without_state_is_served_by_a_rank_that_holds_every_ranks_part():
     assert choose([_offer([a, b]), _offer([a, b]), _offer()], -1) is None
     # A rank that took another's place holds that rank's slots with peers only: it is served too.
     assert choose([_offer([], [b]), _offer()], -1) == Choice(b, 0, (0, 1))
+
+
+def test_the_stall_watchs_records_go_in_the_job_folder_even_with_memory_snapshots_off(
+    tmp_path, monkeypatch
+):
+    from ddpkit._launch import watch
+
+    monkeypatch.setenv(mf.ROOT_ENV, str(tmp_path))
+    for name in (mf.DIR_ENV, mf.KEY_ENV, mf.UNAVAILABLE_ENV, watch.DIR_ENV):
+        monkeypatch.delenv(name, raising=False)
+    job = mf.open_job_folder(memory=False)
+    assert job is not None and mf.DIR_ENV not in os.environ and mf.KEY_ENV not in os.environ
+    watch.open_folder(job, tmp_path / "disk")
+    assert os.environ[watch.DIR_ENV] == str(job / "progress") and (job / "progress").is_dir()
+    mf.close_job_folder()
+    assert not job.exists()

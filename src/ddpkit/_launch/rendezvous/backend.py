@@ -60,7 +60,7 @@ def unregister(run_id: str) -> None:
         relay.close()
 
 
-def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
+def _create_handler(params: RendezvousParameters) -> Any:  # a RendezvousHandler in all but name
     access = _jobs.get(params.run_id)
     if access is None:
         raise RendezvousConnectionError(
@@ -71,10 +71,11 @@ def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
     return WorkersStoreHandler(create_handler(store, backend, params), params.local_addr)
 
 
-class WorkersStoreHandler(RendezvousHandler):
+class WorkersStoreHandler:
     """torch's dynamic rendezvous, whose node of rank 0 also serves, new at every round, the store
     the workers meet in (``MASTER_ADDR:MASTER_PORT``), on its address alone, on a socket bound
-    before its port is published (torch publishes a free port that another program may take)."""
+    before its port is published (torch publishes a free port that another program may take).
+    Every other attribute is the rendezvous's own."""
 
     _KEY = "ddpkit/workers_store"
 
@@ -101,24 +102,10 @@ class WorkersStoreHandler(RendezvousHandler):
         master = RendezvousStoreInfo(master_addr=addr, master_port=int(served))
         return RendezvousInfo(store, info.rank, info.world_size, master)
 
-    @property
-    def use_agent_store(self) -> bool:
-        return True  # every worker is a client of the store above, rank 0 too
+    use_agent_store = True  # every worker is a client of the store above, rank 0 too
 
-    def get_backend(self) -> str:
-        return self._inner.get_backend()
-
-    def get_run_id(self) -> str:
-        return self._inner.get_run_id()
-
-    def is_closed(self) -> bool:
-        return self._inner.is_closed()
-
-    def set_closed(self) -> None:
-        self._inner.set_closed()
-
-    def num_nodes_waiting(self) -> int:
-        return self._inner.num_nodes_waiting()
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
 
     def shutdown(self) -> bool:
         self._store = None
