@@ -21,6 +21,7 @@ import os
 import secrets
 import stat
 import struct
+import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -98,6 +99,7 @@ def private_base(root: Path) -> Path:
 
 
 _job_folder: Path | None = None
+SETUP_SECONDS = 60.0  # the longest an agent takes from making its folder to renaming it
 
 
 def open_job_folder(memory: bool = True) -> Path | None:
@@ -111,8 +113,13 @@ def open_job_folder(memory: bool = True) -> Path | None:
             raise FolderUnavailable(f"{root} does not exist")
         base = private_base(root)
         for stale in base.iterdir():  # the folders of agents that are gone
-            if stale.is_dir() and not stale.is_symlink() and not _owner_alive(stale):
-                fs.remove_tree(stale, root=base)
+            if not stale.is_dir() or stale.is_symlink() or _owner_alive(stale):
+                continue
+            # another agent's folder being set up (".<nonce>") has no owner yet: one whose setup
+            # died is left behind, swept once it is older than any setup takes
+            if stale.name.startswith(".") and time.time() - stale.stat().st_mtime < SETUP_SECONDS:
+                continue
+            fs.remove_tree(stale, root=base)
         # renamed into place once its owner is written in it: a sweep never sees one without
         nonce = secrets.token_hex(8)
         tmp = base / f".{nonce}"

@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -193,6 +194,27 @@ def test_the_job_folder_is_private_and_stale_folders_of_dead_agents_are_swept(
     assert key is not None and key.endswith(f":{os.environ[mf.KEY_ENV]}")
     mf.close_job_folder()
     assert not folder.exists() and mf.DIR_ENV not in os.environ
+
+
+def test_a_folder_another_agent_is_setting_up_is_not_swept_but_an_abandoned_one_is(
+    tmp_path, monkeypatch
+):
+    # Two jobs start on one node: the other agent has made its ".<nonce>" folder and not yet
+    # written its owner in it. Control: swept by the owner check alone, it is removed under the
+    # other agent, whose memory snapshots are then off.
+    monkeypatch.setenv(mf.ROOT_ENV, str(tmp_path))
+    for name in (mf.DIR_ENV, mf.KEY_ENV, mf.UNAVAILABLE_ENV):
+        monkeypatch.delenv(name, raising=False)
+    base = tmp_path / f"ddpkit-memory-{os.getuid()}"
+    base.mkdir(mode=0o700)
+    setting_up, abandoned = base / ".1111", base / ".2222"
+    setting_up.mkdir()
+    abandoned.mkdir()
+    old = time.time() - mf.SETUP_SECONDS - 1
+    os.utime(abandoned, (old, old))
+    assert mf.open_job_folder() is not None
+    assert setting_up.exists() and not abandoned.exists()
+    mf.close_job_folder()
 
 
 def test_a_base_folder_open_to_others_is_refused_and_the_reason_kept(tmp_path, monkeypatch):
