@@ -110,6 +110,7 @@ DDPKIT_GLOBALS: dict[tuple[str, str], Any] = {
     ("ddpkit.nn._dropout", "_layout"): None,
     ("ddpkit.nn._dropout", "_calls"): {},
     ("ddpkit.snapshot._disk", "_groups"): {},
+    ("ddpkit.snapshot._slots", "_job_folder"): None,  # the agent's job folder in shared memory
     ("ddpkit.tools._workload", "_modules"): {},
     ("ddpkit._launch.recover", "_links"): [],
     ("ddpkit._launch.worker", "_serving"): None,
