@@ -45,6 +45,7 @@ from ddpkit.data import _loader as loader
 from ddpkit.nn import _dropout as dropout
 from ddpkit.platforms import _mpi as mpi
 from ddpkit.snapshot import _disk as staging
+from ddpkit.snapshot import _slots as slots
 from ddpkit.tools import _workload as workload
 from tests.conftest import DDPKIT_GLOBALS
 
@@ -74,6 +75,7 @@ def test_leaves_every_global_set(tmp_path):
     forked._server = object()  # stands for the job's fork server, as the agent keeps it
     runtime._store_of = (("env://", 0, 2), object())  # a rendezvous store kept across init()s
     runtime._group_store = object()
+    slots._job_folder = tmp_path  # an agent's job folder in shared memory
     # A record left mapped.
     progress._buf, progress._ints, progress._floats = object(), object(), object()
 
