@@ -43,7 +43,6 @@ class MetricsWriter:
         self._tensorboard, self._logger_names = tensorboard, tuple(loggers)
         self._params = params or {}
         self._jsonl: IO[str] | None = None
-        self._started = False  # TensorBoard and the loggers made (once: each is a run of its own)
         self._tb = None
         self._loggers: list[Any] = []
         self.rewound = 0
@@ -62,16 +61,12 @@ class MetricsWriter:
             require(self._logger_names)
 
     def _open(self) -> IO[str]:
-        if self._jsonl is not None:
-            return self._jsonl
-        fs.make_dirs(self.run_dir)
-        self._jsonl = fs.open_append(self.run_dir / "metrics.jsonl", linked="replace")
-        if self._started:
-            return self._jsonl
-        self._started = True
-        if self._tensorboard:
+        if self._jsonl is None:
+            fs.make_dirs(self.run_dir)
+            self._jsonl = fs.open_append(self.run_dir / "metrics.jsonl", linked="replace")
+        if self._tensorboard and self._tb is None:  # also after a load_state_dict closed it
             self._tb = _summary_writer()(str(self.run_dir / "tensorboard"))
-        if self._logger_names:
+        if self._logger_names and not self._loggers:  # once: each is a run of its own
             from ddpkit.tracking._trackers import build
 
             self._loggers = build(self._logger_names, self.run_dir, self._params)
