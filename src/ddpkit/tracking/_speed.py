@@ -59,8 +59,8 @@ class StepTimings:
         self._cuda = enabled and device.type == "cuda"
         self._events: list[Any] = []  # CUDA: free events, reused from window to window
         self._used: list[Any] = []  # CUDA: the window's events
-        self._data_in_compute = 0.0  # CUDA: host data waits inside the compute spans
-        self._spans: dict[str, list[tuple[Any, Any]]] = {
+        self._data_in_compute = 0.0  # host data waits inside the compute spans
+        self._spans: dict[str, list[tuple[Any, Any]]] = {  # CUDA: the window's event pairs
             p: [] for p in ("compute", "comm", "optimizer")
         }
         self._last_grad: Any = None
@@ -177,8 +177,7 @@ class StepTimings:
             self._last_grad, self._armed = None, False
 
     def _compute_from(self, start: Any) -> None:
-        self._start = start
-        self._data_before, self._comm_before = self.seconds["data"], self.seconds["comm"]
+        self._start, self._data_before = start, self.seconds["data"]
         self._stepping = True
 
     def backward_returned(self) -> None:
@@ -205,14 +204,10 @@ class StepTimings:
         if self._last_grad is not None:
             comm_start, self._last_grad = self._last_grad, None
             self._span("comm", comm_start, now)
-        # the host's data wait is device idle time inside the span: taken out at the window's end
-        if self._cuda:
-            self._spans["compute"].append((self._start, now))
-            self._data_in_compute += data
-        else:
-            self.seconds["compute"] += (
-                now - self._start - data - (self.seconds["comm"] - self._comm_before)
-            )
+        # the data and comm inside the span (every comm span is inside one) are taken out at the
+        # window's end (on CUDA the host's data wait is device idle time)
+        self._span("compute", self._start, now)
+        self._data_in_compute += data
         return now
 
     def after_optimizer(self, more: bool = False) -> None:
@@ -248,10 +243,10 @@ class StepTimings:
             for phase, spans in self._spans.items():
                 seconds[phase] += sum(a.elapsed_time(b) for a, b in spans) / 1000
                 spans.clear()
-            seconds["compute"] -= seconds["comm"] + self._data_in_compute
-            self._data_in_compute = 0.0
             self._events += self._used
             self._used = []
+        seconds["compute"] -= seconds["comm"] + self._data_in_compute
+        self._data_in_compute = 0.0
         return seconds
 
     def row(self, wall: float, items: float) -> list[float]:
