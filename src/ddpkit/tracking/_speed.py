@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from ddpkit._internals.compiler import at_backward_end, cpu_attention_ops
 from ddpkit.data._loader import batch_len
@@ -414,28 +414,23 @@ def device_peak(device: torch.device, precision: str) -> float | None:
     return peak_flops(torch.cuda.get_device_name(device), matmul_dtype(precision))
 
 
-def attention_flops(query: Any, key: Any, value: Any, *_args: Any, **_kwargs: Any) -> int:
-    """The forward FLOPs of ``softmax(query @ key^T) @ value`` for shapes ``[batch, heads, length,
-    head dim]``: two batched matmuls over every pair of positions, masked ones included."""
-    batch, heads, q_len, q_dim = query
-    k_len, v_dim = key[-2], value[-1]
-    return 2 * batch * heads * q_len * k_len * (q_dim + v_dim)
+def _attention(query: Any, key: Any, value: Any, *_args: Any, **_kwargs: Any) -> int:
+    return sdpa_flop_count(query, key, value)
 
 
-def attention_backward_flops(
-    grad_out: Any, query: Any, key: Any, value: Any, *_args: Any, **_kwargs: Any
-) -> int:
-    """Twice the forward's: the four batched matmuls of the unfused backward."""
-    return 2 * attention_flops(query, key, value)
+def _attention_backward(_grad: Any, query: Any, key: Any, value: Any, *_a: Any, **_k: Any) -> int:
+    return 2 * sdpa_flop_count(query, key, value)
 
 
+# The standard count for the CPU's fused attention kernels, which ``FlopCounterMode`` counts nothing
+# for before torch 2.15 (its ``custom_mapping``): the forward's two batched matmuls over every pair
+# of positions, masked ones included, and twice that for the backward, the unfused path's four
+# (torch's own backward formula, used on CUDA, counts the scores' recomputation as a fifth).
 ATTENTION: dict[Any, Any] = {
     op: formula
-    for op, formula in zip(cpu_attention_ops(), (attention_flops, attention_backward_flops))
+    for op, formula in zip(cpu_attention_ops(), (_attention, _attention_backward))
     if op is not None
 }
-"""The standard count for the CPU's fused attention kernels, which ``FlopCounterMode`` counts
-nothing for before torch 2.15 and otherwise from 2.15 (its ``custom_mapping``)."""
 
 
 class FlopCount:
