@@ -433,25 +433,6 @@ ATTENTION: dict[Any, Any] = {
 }
 
 
-class FlopCount:
-    """The FLOPs of one micro-batch's forward and backward, counted once, and its samples."""
-
-    def __init__(self) -> None:
-        self.flops: float | None = None
-        self.samples = 0
-
-    @property
-    def per_sample(self) -> float | None:
-        return self.flops / self.samples if self.flops and self.samples else None
-
-    @contextmanager
-    def counting(self, samples: int) -> Iterator[None]:
-        """Count what runs inside (a forward and its backward) as ``samples`` samples' FLOPs."""
-        with FlopCounterMode(display=False, custom_mapping=ATTENTION) as counter:
-            yield
-        self.flops, self.samples = float(counter.get_total_flops()), samples
-
-
 def mfu(
     flops_per_sample: float | None, samples_per_s: float, peak: float | None, devices: int
 ) -> float | None:
@@ -490,10 +471,10 @@ class Speed:
         self.peak = (
             (peak_flops or device_peak(device, precision)) if enabled and not compiled else None
         )
-        self.flops = FlopCount()
+        self.flops_per_sample: float | None = None
+        """From the first micro-batch's forward and backward (:meth:`counting`)."""
         self.to_count = self.peak is not None
-        """The next micro-batch's FLOPs are to be counted (:meth:`counting`): the first one's, once
-        a peak is known."""
+        """The next micro-batch's FLOPs are to be counted: the first one's, once a peak is known."""
         self.run = RunSpeed()
         self.aside_seconds = 0.0
         """This rank's seconds of work set aside (:meth:`aside`) since the window started."""
@@ -525,7 +506,13 @@ class Speed:
         if not self.to_count:
             return nullcontext()
         self.to_count = False
-        return self.flops.counting(batch_len(batch))
+        return self._count(batch_len(batch))
+
+    @contextmanager
+    def _count(self, samples: int) -> Iterator[None]:
+        with FlopCounterMode(display=False, custom_mapping=ATTENTION) as counter:
+            yield
+        self.flops_per_sample = counter.get_total_flops() / samples or None
 
     def row(self, wall: float, items: float | None) -> list[float]:
         """This rank's phases in the window ending here, for the window's agreement to gather;
@@ -556,7 +543,7 @@ class Speed:
         out = {"samples_per_s": times.samples / seconds}
         if tokens:
             out["tokens_per_s"] = times.items / seconds
-        utilisation = mfu(self.flops.per_sample, out["samples_per_s"], self.peak, self.world_size)
+        utilisation = mfu(self.flops_per_sample, out["samples_per_s"], self.peak, self.world_size)
         if utilisation is not None:
             out["mfu"] = utilisation
         return out

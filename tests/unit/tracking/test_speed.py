@@ -17,7 +17,6 @@ from ddpkit.tracking import _speed as flops
 from ddpkit.tracking._curves import RANKS_PANEL, panels, read_curves
 from ddpkit.tracking._speed import (
     PHASES,
-    FlopCount,
     RankTimes,
     RunSpeed,
     Speed,
@@ -32,21 +31,28 @@ def _forward_backward(model: nn.Module, x: torch.Tensor) -> None:
     model(x).sum().backward()
 
 
+def _counting_speed() -> Speed:
+    """A run's speed on the CPU with a peak given: its first micro-batch's FLOPs are counted."""
+    model, cpu = nn.Linear(1, 1), torch.device("cpu")
+    return Speed(model, cpu, enabled=True, precision="fp32", world_size=1, peak_flops=1e12)
+
+
 def test_flops_per_sample_of_linear_layers_are_about_six_times_the_weights():
     model = nn.Sequential(nn.Linear(32, 64, bias=False), nn.ReLU(), nn.Linear(64, 8, bias=False))
     x = torch.randn(5, 32)
-    count = FlopCount()
-    with count.counting(samples=5):
+    speed = _counting_speed()
+    assert speed.flops_per_sample is None  # nothing counted yet
+    with speed.counting(x):
         _forward_backward(model, x)
     with FlopCounterMode(display=False) as own:  # the counter's own count of the same work
         _forward_backward(model, x)
-    assert count.flops == own.get_total_flops()
+    assert speed.flops_per_sample == own.get_total_flops() / 5
     weights = 32 * 64 + 64 * 8
     # Forward 2 per weight, the weights' gradients 2, the inputs' gradients 2, except the first
     # layer's input (the data), which needs none: 6 x weights less 2 x the first layer's.
-    assert count.per_sample == 6 * weights - 2 * 32 * 64
-    assert 4 * weights < count.per_sample <= 6 * weights
-    assert FlopCount().per_sample is None  # nothing counted yet
+    assert speed.flops_per_sample == 6 * weights - 2 * 32 * 64
+    assert 4 * weights < speed.flops_per_sample <= 6 * weights
+    assert isinstance(speed.counting(x), contextlib.nullcontext)  # the first micro-batch only
 
 
 @pytest.mark.parametrize(
@@ -154,8 +160,9 @@ def test_counting_flops_leaves_the_gradients_bitwise_the_same():
     for count in (True, False):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
-        with FlopCount().counting(samples=8) if count else contextlib.nullcontext():
-            _forward_backward(model, torch.randn(8, 16))
+        x = torch.randn(8, 16)
+        with _counting_speed().counting(x) if count else contextlib.nullcontext():
+            _forward_backward(model, x)
         grads.append([p.grad.clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
