@@ -400,18 +400,14 @@ def peak_flops(device_name: str, dtype: str) -> float | None:
     return None
 
 
-def matmul_dtype(precision: str) -> str:
-    """The dtype of a run's matmuls at ``TrainerConfig.precision``: fp32 in TF32 where allowed."""
-    if precision in ("bf16", "fp16"):
-        return precision
-    return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
-
-
 def device_peak(device: torch.device, precision: str) -> float | None:
-    """The peak FLOP/s of ``device`` at ``precision``; None on the CPU or a GPU not in the table."""
+    """The peak FLOP/s of ``device`` at ``TrainerConfig.precision`` (fp32 matmuls in TF32 where
+    allowed); None on the CPU or a GPU not in the table."""
     if device.type != "cuda":
         return None
-    return peak_flops(torch.cuda.get_device_name(device), matmul_dtype(precision))
+    if precision not in ("bf16", "fp16"):
+        precision = "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    return peak_flops(torch.cuda.get_device_name(device), precision)
 
 
 def _attention(query: Any, key: Any, value: Any, *_args: Any, **_kwargs: Any) -> int:
@@ -431,15 +427,6 @@ ATTENTION: dict[Any, Any] = {
     for op, formula in zip(cpu_attention_ops(), (_attention, _attention_backward))
     if op is not None
 }
-
-
-def mfu(
-    flops_per_sample: float | None, samples_per_s: float, peak: float | None, devices: int
-) -> float | None:
-    """Model FLOPs utilisation: the FLOP/s the samples needed over ``devices`` devices' peak."""
-    if not flops_per_sample or not peak:
-        return None
-    return flops_per_sample * samples_per_s / (peak * devices)
 
 
 @dataclass
@@ -543,9 +530,10 @@ class Speed:
         out = {"samples_per_s": times.samples / seconds}
         if tokens:
             out["tokens_per_s"] = times.items / seconds
-        utilisation = mfu(self.flops_per_sample, out["samples_per_s"], self.peak, self.world_size)
-        if utilisation is not None:
-            out["mfu"] = utilisation
+        if self.flops_per_sample and self.peak:  # the FLOP/s the samples needed over the peak's
+            out["mfu"] = (
+                self.flops_per_sample * out["samples_per_s"] / (self.peak * self.world_size)
+            )
         return out
 
     def close(self) -> None:

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from ddpkit.tracking import _speed as flops
 from ddpkit.tracking._curves import RANKS_PANEL, panels, read_curves
 from ddpkit.tracking._speed import (
     PHASES,
@@ -22,7 +21,6 @@ from ddpkit.tracking._speed import (
     Speed,
     StepTimings,
     device_peak,
-    mfu,
     peak_flops,
 )
 
@@ -87,9 +85,17 @@ def test_unknown_devices_and_dtypes_get_no_peak(monkeypatch):
     monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
     assert device_peak(torch.device("cuda", 0), "fp32") == pytest.approx(494.7e12)  # TF32 allowed
     assert device_peak(torch.device("cuda", 0), "bf16") == pytest.approx(989.4e12)
-    assert flops.matmul_dtype("fp32") == "tf32"
-    assert mfu(None, 100.0, 1e12, 2) is None and mfu(1e9, 100.0, None, 2) is None
-    assert mfu(1e9, 100.0, 1e12, 2) == pytest.approx(0.05)
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "highest")
+    assert device_peak(torch.device("cuda", 0), "fp32") == pytest.approx(66.9e12)  # no TF32
+
+
+def test_mfu_is_the_flops_the_samples_needed_over_the_devices_peak():
+    ms = {p: [1.0, 1.0] for p in PHASES}  # a window of 1 s in which the ranks read 100 samples
+    times = RankTimes(ms=ms, step_ms=[10.0, 10.0], wall=1.0, samples=100.0, items=0.0)
+    speed = _counting_speed()  # a peak of 1e12 FLOP/s, nothing counted yet: no MFU
+    assert "mfu" not in speed.rates(times, tokens=False)
+    speed.flops_per_sample, speed.world_size = 1e9, 2
+    assert speed.rates(times, tokens=False) == {"samples_per_s": 100.0, "mfu": pytest.approx(0.05)}
 
 
 def _times(busy: dict[str, list[float]], step: float = 100.0) -> RankTimes:
