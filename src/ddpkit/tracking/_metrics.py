@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ddpkit import _fs as fs
+from ddpkit.tracking._trackers import build, need
 
 
 class MetricsWriter:
@@ -55,10 +56,8 @@ class MetricsWriter:
         # a missing extra is named when the Trainer is built
         if tensorboard:
             _summary_writer()
-        if loggers:
-            from ddpkit.tracking._trackers import require
-
-            require(self._logger_names)
+        for name in self._logger_names:
+            need(name)
 
     def _open(self) -> IO[str]:
         if self._jsonl is None:
@@ -67,8 +66,6 @@ class MetricsWriter:
         if self._tensorboard and self._tb is None:  # also after a load_state_dict closed it
             self._tb = _summary_writer()(str(self.run_dir / "tensorboard"))
         if self._logger_names and not self._loggers:  # once: each is a run of its own
-            from ddpkit.tracking._trackers import build
-
             self._loggers = build(self._logger_names, self.run_dir, self._params)
             # closed at exit, also under multiprocessing (no atexit there), or when collected
             multiprocessing.util.Finalize(self, _close_all, args=(self._loggers,), exitpriority=10)
