@@ -235,8 +235,11 @@ class StepTimings:
             if self.enabled:
                 self.seconds[name] += time.perf_counter() - start
 
-    def _resolve(self) -> dict[str, float]:
-        """The window's phase seconds; on CUDA, waits for the window's last event."""
+    def row(self, wall: float, items: float) -> list[float]:
+        """This rank's phases in the window that ends here, its ``wall`` seconds, samples and
+        ``items`` (tokens), for the window's agreement to gather (:meth:`LossWindow.agree
+        <ddpkit.training._step.LossWindow.agree>`). The window's counts start afresh. On CUDA,
+        waits for the window's last event."""
         seconds = dict(self.seconds)
         if self._cuda:
             torch.cuda.current_stream().synchronize()
@@ -247,13 +250,6 @@ class StepTimings:
             self._used = []
         seconds["compute"] -= seconds["comm"] + self._data_in_compute
         self._data_in_compute = 0.0
-        return seconds
-
-    def row(self, wall: float, items: float) -> list[float]:
-        """This rank's phases in the window that ends here, its ``wall`` seconds, samples and
-        ``items`` (tokens), for the window's agreement to gather (:meth:`LossWindow.agree
-        <ddpkit.training._step.LossWindow.agree>`). The window's counts start afresh."""
-        seconds = self._resolve()
         local = [seconds[p] for p in PHASES] + [wall, float(self.samples), float(items)]
         # in place: the loader's pass holds this dict
         self.seconds.update(dict.fromkeys(PHASES, 0.0))
