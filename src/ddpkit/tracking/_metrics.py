@@ -121,8 +121,8 @@ class MetricsWriter:
             with fs.open_append(self.run_dir / "epochs.csv", read=True, linked="replace") as f:
                 f.seek(0)
                 header = next(csv.reader(f), None)
-                self._columns = header or list(values)
-                writer = csv.DictWriter(f, fieldnames=self._columns, extrasaction="ignore")
+                columns = header or list(values)
+                writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
                 if header is None:
                     writer.writeheader()
                 writer.writerow(values)
