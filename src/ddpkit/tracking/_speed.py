@@ -78,7 +78,7 @@ class StepTimings:
             if (
                 isinstance(model, DistributedDataParallel)
                 and not compiled
-                and getattr(model, "will_sync_module_buffers", lambda: True)()
+                and model.will_sync_module_buffers()
             ):
                 self._hooks.append(model.register_forward_pre_hook(self._ddp_forward))
                 self._hooks.append(model.module.register_forward_pre_hook(self._module_forward))
