@@ -27,7 +27,7 @@ import os
 import platform
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,14 @@ from ddpkit.tracking._curves import refuse_bad_name, shown
 
 MAX_WORLD = 1_000_000  # the largest world size --predict extrapolates to
 OUTPUTS = ("bench.json", "bench.png")
+# each count's bounds, and what to give below the lower one
+BOUNDS = {
+    "nproc": (2, MAX_NPROC, "measure at least 2 ranks, or there is nothing to scale"),
+    "steps": (1, MAX_STEPS, "must be >= 1"),
+    "warmup": (0, MAX_STEPS, "give the untimed steps before timing, >= 0"),
+    "rounds": (1, MAX_STEPS, "must be >= 1"),
+    "gpus_per_node": (1, MAX_NPROC, "must be >= 1"),
+}
 
 
 @dataclass(kw_only=True)
@@ -74,21 +82,11 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
-        if self.nproc < 2:
-            raise ConfigError(
-                f"--nproc {self.nproc}: measure at least 2 ranks, or there is nothing to scale"
-            )
-        for name in ("steps", "rounds", "gpus_per_node"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
-        if self.warmup < 0:
-            raise ConfigError(f"--warmup {self.warmup}: give the untimed steps before timing, >= 0")
-        for name in ("steps", "warmup", "rounds"):
-            if getattr(self, name) > MAX_STEPS:
-                raise ConfigError(f"--{name} {getattr(self, name)}: at most {MAX_STEPS}")
-        for name in ("nproc", "gpus_per_node"):
-            if (value := getattr(self, name)) > MAX_NPROC:
-                raise ConfigError(f"--{name.replace('_', '-')} {value}: at most {MAX_NPROC}")
+        for name, (low, high, below) in BOUNDS.items():
+            if (value := getattr(self, name)) < low:
+                raise ConfigError(f"{_flag(name)} {value}: {below}")
+            if value > high:
+                raise ConfigError(f"{_flag(name)} {value}: at most {high}")
         if not self.predict_sizes or not all(1 <= n <= MAX_WORLD for n in self.predict_sizes):
             raise ConfigError(
                 f"--predict {','.join(map(str, self.predict_sizes))}: give world sizes from 1 to "
@@ -582,6 +580,32 @@ def _sizes(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{text!r}: give world sizes as 1,2,4,8") from None
 
 
+# `ddpkit bench`'s options are BenchConfig's fields: `--field-name` (a bool: `--no-field-name`) of
+# the field's type and default, unless FLAGS and ARGPARSE say otherwise
+HELP = {
+    "nproc": "largest world size measured here (default: the GPUs, or 2 CPU processes)",
+    "predict_sizes": "world sizes to predict (default 1,2,4,...,256)",
+    "intra": "link within a node: measured (default) or a preset",
+    "interconnect": "link between nodes (default infiniband)",
+    "bandwidth_gbps": "bus bandwidth of the link between nodes, replacing the preset's",
+    "latency_us": "latency of one ring step between nodes, replacing the preset's",
+    "knobs": "skip the knob trials",
+    "out": "folder for bench.json and bench.png",
+    "pin": "leave CPU ranks unpinned",
+}
+FLAGS = {"predict_sizes": "--predict", "bandwidth_gbps": "--bandwidth"}
+ARGPARSE: dict[str, dict[str, Any]] = {
+    "predict_sizes": {"type": _sizes, "metavar": "N,N,..."},
+    "interconnect": {"choices": sorted(predict.PRESETS)},
+    "bandwidth_gbps": {"type": float, "metavar": "GB/s"},
+    "latency_us": {"type": float},
+}
+
+
+def _flag(name: str) -> str:
+    return FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ddpkit bench",
@@ -597,56 +621,26 @@ def _parser() -> argparse.ArgumentParser:
         help=f"training script defining {HOOK}() or building a ddpkit.Trainer, or a built-in "
         "workload (" + ", ".join(BUILTINS) + "); default: the DDP tutorials' CNN",
     )
+    for f in fields(BenchConfig)[1:]:
+        option = {"dest": f.name, "help": HELP.get(f.name), **ARGPARSE.get(f.name, {})}
+        if isinstance(f.default, bool):  # on by default: the option turns it off
+            flag = _flag(f.name).replace("--", "--no-", 1)
+            p.add_argument(flag, action="store_false", **option)
+        else:
+            option.setdefault("type", type(f.default))
+            p.add_argument(_flag(f.name), default=f.default, **option)
     gpus = torch.cuda.device_count()
-    p.add_argument(
-        "--nproc",
-        type=int,
-        default=gpus if gpus >= 2 else 2,
-        help="largest world size measured here (default: the GPUs, or 2 CPU processes)",
-    )
-    for name in ("steps", "warmup", "rounds", "gpus_per_node"):
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(BenchConfig, name))
-    p.add_argument(
-        "--predict",
-        type=_sizes,
-        default=BenchConfig.predict_sizes,
-        metavar="N,N,...",
-        help="world sizes to predict (default 1,2,4,...,256)",
-    )
-    p.add_argument(
-        "--intra", default="measured", help="link within a node: measured (default) or a preset"
-    )
-    p.add_argument(
-        "--interconnect",
-        default="infiniband",
-        choices=sorted(predict.PRESETS),
-        help="link between nodes (default infiniband)",
-    )
-    p.add_argument(
-        "--bandwidth",
-        type=float,
-        dest="bandwidth_gbps",
-        metavar="GB/s",
-        help="bus bandwidth of the link between nodes, replacing the preset's",
-    )
-    p.add_argument(
-        "--latency-us",
-        type=float,
-        help="latency of one ring step between nodes, replacing the preset's",
-    )
-    p.add_argument("--no-knobs", dest="knobs", action="store_false", help="skip the knob trials")
-    p.add_argument("--out", default="ddpkit-bench", help="folder for bench.json and bench.png")
+    p.set_defaults(nproc=gpus if gpus >= 2 else 2)
     p.add_argument(
         "--overwrite", action="store_true", help="replace the results of an earlier bench in --out"
     )
-    p.add_argument("--no-pin", dest="pin", action="store_false", help="leave CPU ranks unpinned")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    a = vars(_parser().parse_args(argv))  # BenchConfig's fields, --predict and --overwrite
+    a = vars(_parser().parse_args(argv))  # BenchConfig's fields and --overwrite
     overwrite = a.pop("overwrite")
-    cfg = BenchConfig(predict_sizes=a.pop("predict"), **a)
+    cfg = BenchConfig(**a)
     check_out(cfg.out, overwrite)
     result = run_bench(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
     print("\n".join(report(result)))

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ddpkit import _fs as fs
+from ddpkit.tracking._trackers import build, need
 
 
 class MetricsWriter:
@@ -43,7 +44,6 @@ class MetricsWriter:
         self._tensorboard, self._logger_names = tensorboard, tuple(loggers)
         self._params = params or {}
         self._jsonl: IO[str] | None = None
-        self._started = False  # TensorBoard and the loggers made (once: each is a run of its own)
         self._tb = None
         self._loggers: list[Any] = []
         self.rewound = 0
@@ -56,24 +56,16 @@ class MetricsWriter:
         # a missing extra is named when the Trainer is built
         if tensorboard:
             _summary_writer()
-        if loggers:
-            from ddpkit.tracking._trackers import require
-
-            require(self._logger_names)
+        for name in self._logger_names:
+            need(name)
 
     def _open(self) -> IO[str]:
-        if self._jsonl is not None:
-            return self._jsonl
-        fs.make_dirs(self.run_dir)
-        self._jsonl = fs.open_append(self.run_dir / "metrics.jsonl", linked="replace")
-        if self._started:
-            return self._jsonl
-        self._started = True
-        if self._tensorboard:
+        if self._jsonl is None:
+            fs.make_dirs(self.run_dir)
+            self._jsonl = fs.open_append(self.run_dir / "metrics.jsonl", linked="replace")
+        if self._tensorboard and self._tb is None:  # also after a load_state_dict closed it
             self._tb = _summary_writer()(str(self.run_dir / "tensorboard"))
-        if self._logger_names:
-            from ddpkit.tracking._trackers import build
-
+        if self._logger_names and not self._loggers:  # once: each is a run of its own
             self._loggers = build(self._logger_names, self.run_dir, self._params)
             # closed at exit, also under multiprocessing (no atexit there), or when collected
             multiprocessing.util.Finalize(self, _close_all, args=(self._loggers,), exitpriority=10)
@@ -129,8 +121,8 @@ class MetricsWriter:
             with fs.open_append(self.run_dir / "epochs.csv", read=True, linked="replace") as f:
                 f.seek(0)
                 header = next(csv.reader(f), None)
-                self._columns = header or list(values)
-                writer = csv.DictWriter(f, fieldnames=self._columns, extrasaction="ignore")
+                columns = header or list(values)
+                writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
                 if header is None:
                     writer.writeheader()
                 writer.writerow(values)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from ddpkit._internals.compiler import at_backward_end, cpu_attention_ops
 from ddpkit.data._loader import batch_len
@@ -59,8 +59,8 @@ class StepTimings:
         self._cuda = enabled and device.type == "cuda"
         self._events: list[Any] = []  # CUDA: free events, reused from window to window
         self._used: list[Any] = []  # CUDA: the window's events
-        self._data_in_compute = 0.0  # CUDA: host data waits inside the compute spans
-        self._spans: dict[str, list[tuple[Any, Any]]] = {
+        self._data_in_compute = 0.0  # host data waits inside the compute spans
+        self._spans: dict[str, list[tuple[Any, Any]]] = {  # CUDA: the window's event pairs
             p: [] for p in ("compute", "comm", "optimizer")
         }
         self._last_grad: Any = None
@@ -78,7 +78,7 @@ class StepTimings:
             if (
                 isinstance(model, DistributedDataParallel)
                 and not compiled
-                and getattr(model, "will_sync_module_buffers", lambda: True)()
+                and model.will_sync_module_buffers()
             ):
                 self._hooks.append(model.register_forward_pre_hook(self._ddp_forward))
                 self._hooks.append(model.module.register_forward_pre_hook(self._module_forward))
@@ -177,8 +177,7 @@ class StepTimings:
             self._last_grad, self._armed = None, False
 
     def _compute_from(self, start: Any) -> None:
-        self._start = start
-        self._data_before, self._comm_before = self.seconds["data"], self.seconds["comm"]
+        self._start, self._data_before = start, self.seconds["data"]
         self._stepping = True
 
     def backward_returned(self) -> None:
@@ -205,14 +204,10 @@ class StepTimings:
         if self._last_grad is not None:
             comm_start, self._last_grad = self._last_grad, None
             self._span("comm", comm_start, now)
-        # the host's data wait is device idle time inside the span: taken out at the window's end
-        if self._cuda:
-            self._spans["compute"].append((self._start, now))
-            self._data_in_compute += data
-        else:
-            self.seconds["compute"] += (
-                now - self._start - data - (self.seconds["comm"] - self._comm_before)
-            )
+        # the data and comm inside the span (every comm span is inside one) are taken out at the
+        # window's end (on CUDA the host's data wait is device idle time)
+        self._span("compute", self._start, now)
+        self._data_in_compute += data
         return now
 
     def after_optimizer(self, more: bool = False) -> None:
@@ -240,25 +235,21 @@ class StepTimings:
             if self.enabled:
                 self.seconds[name] += time.perf_counter() - start
 
-    def _resolve(self) -> dict[str, float]:
-        """The window's phase seconds; on CUDA, waits for the window's last event."""
+    def row(self, wall: float, items: float) -> list[float]:
+        """This rank's phases in the window that ends here, its ``wall`` seconds, samples and
+        ``items`` (tokens), for the window's agreement to gather (:meth:`LossWindow.agree
+        <ddpkit.training._step.LossWindow.agree>`). The window's counts start afresh. On CUDA,
+        waits for the window's last event."""
         seconds = dict(self.seconds)
         if self._cuda:
             torch.cuda.current_stream().synchronize()
             for phase, spans in self._spans.items():
                 seconds[phase] += sum(a.elapsed_time(b) for a, b in spans) / 1000
                 spans.clear()
-            seconds["compute"] -= seconds["comm"] + self._data_in_compute
-            self._data_in_compute = 0.0
             self._events += self._used
             self._used = []
-        return seconds
-
-    def row(self, wall: float, items: float) -> list[float]:
-        """This rank's phases in the window that ends here, its ``wall`` seconds, samples and
-        ``items`` (tokens), for the window's agreement to gather (:meth:`LossWindow.agree
-        <ddpkit.training._step.LossWindow.agree>`). The window's counts start afresh."""
-        seconds = self._resolve()
+        seconds["compute"] -= seconds["comm"] + self._data_in_compute
+        self._data_in_compute = 0.0
         local = [seconds[p] for p in PHASES] + [wall, float(self.samples), float(items)]
         # in place: the loader's pass holds this dict
         self.seconds.update(dict.fromkeys(PHASES, 0.0))
@@ -405,70 +396,33 @@ def peak_flops(device_name: str, dtype: str) -> float | None:
     return None
 
 
-def matmul_dtype(precision: str) -> str:
-    """The dtype of a run's matmuls at ``TrainerConfig.precision``: fp32 in TF32 where allowed."""
-    if precision in ("bf16", "fp16"):
-        return precision
-    return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
-
-
 def device_peak(device: torch.device, precision: str) -> float | None:
-    """The peak FLOP/s of ``device`` at ``precision``; None on the CPU or a GPU not in the table."""
+    """The peak FLOP/s of ``device`` at ``TrainerConfig.precision`` (fp32 matmuls in TF32 where
+    allowed); None on the CPU or a GPU not in the table."""
     if device.type != "cuda":
         return None
-    return peak_flops(torch.cuda.get_device_name(device), matmul_dtype(precision))
+    if precision not in ("bf16", "fp16"):
+        precision = "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    return peak_flops(torch.cuda.get_device_name(device), precision)
 
 
-def attention_flops(query: Any, key: Any, value: Any, *_args: Any, **_kwargs: Any) -> int:
-    """The forward FLOPs of ``softmax(query @ key^T) @ value`` for shapes ``[batch, heads, length,
-    head dim]``: two batched matmuls over every pair of positions, masked ones included."""
-    batch, heads, q_len, q_dim = query
-    k_len, v_dim = key[-2], value[-1]
-    return 2 * batch * heads * q_len * k_len * (q_dim + v_dim)
+def _attention(query: Any, key: Any, value: Any, *_args: Any, **_kwargs: Any) -> int:
+    return sdpa_flop_count(query, key, value)
 
 
-def attention_backward_flops(
-    grad_out: Any, query: Any, key: Any, value: Any, *_args: Any, **_kwargs: Any
-) -> int:
-    """Twice the forward's: the four batched matmuls of the unfused backward."""
-    return 2 * attention_flops(query, key, value)
+def _attention_backward(_grad: Any, query: Any, key: Any, value: Any, *_a: Any, **_k: Any) -> int:
+    return 2 * sdpa_flop_count(query, key, value)
 
 
+# The standard count for the CPU's fused attention kernels, which ``FlopCounterMode`` counts nothing
+# for before torch 2.15 (its ``custom_mapping``): the forward's two batched matmuls over every pair
+# of positions, masked ones included, and twice that for the backward, the unfused path's four
+# (torch's own backward formula, used on CUDA, counts the scores' recomputation as a fifth).
 ATTENTION: dict[Any, Any] = {
     op: formula
-    for op, formula in zip(cpu_attention_ops(), (attention_flops, attention_backward_flops))
+    for op, formula in zip(cpu_attention_ops(), (_attention, _attention_backward))
     if op is not None
 }
-"""The standard count for the CPU's fused attention kernels, which ``FlopCounterMode`` counts
-nothing for before torch 2.15 and otherwise from 2.15 (its ``custom_mapping``)."""
-
-
-class FlopCount:
-    """The FLOPs of one micro-batch's forward and backward, counted once, and its samples."""
-
-    def __init__(self) -> None:
-        self.flops: float | None = None
-        self.samples = 0
-
-    @property
-    def per_sample(self) -> float | None:
-        return self.flops / self.samples if self.flops and self.samples else None
-
-    @contextmanager
-    def counting(self, samples: int) -> Iterator[None]:
-        """Count what runs inside (a forward and its backward) as ``samples`` samples' FLOPs."""
-        with FlopCounterMode(display=False, custom_mapping=ATTENTION) as counter:
-            yield
-        self.flops, self.samples = float(counter.get_total_flops()), samples
-
-
-def mfu(
-    flops_per_sample: float | None, samples_per_s: float, peak: float | None, devices: int
-) -> float | None:
-    """Model FLOPs utilisation: the FLOP/s the samples needed over ``devices`` devices' peak."""
-    if not flops_per_sample or not peak:
-        return None
-    return flops_per_sample * samples_per_s / (peak * devices)
 
 
 @dataclass
@@ -500,10 +454,10 @@ class Speed:
         self.peak = (
             (peak_flops or device_peak(device, precision)) if enabled and not compiled else None
         )
-        self.flops = FlopCount()
+        self.flops_per_sample: float | None = None
+        """From the first micro-batch's forward and backward (:meth:`counting`)."""
         self.to_count = self.peak is not None
-        """The next micro-batch's FLOPs are to be counted (:meth:`counting`): the first one's, once
-        a peak is known."""
+        """The next micro-batch's FLOPs are to be counted: the first one's, once a peak is known."""
         self.run = RunSpeed()
         self.aside_seconds = 0.0
         """This rank's seconds of work set aside (:meth:`aside`) since the window started."""
@@ -535,7 +489,13 @@ class Speed:
         if not self.to_count:
             return nullcontext()
         self.to_count = False
-        return self.flops.counting(batch_len(batch))
+        return self._count(batch_len(batch))
+
+    @contextmanager
+    def _count(self, samples: int) -> Iterator[None]:
+        with FlopCounterMode(display=False, custom_mapping=ATTENTION) as counter:
+            yield
+        self.flops_per_sample = counter.get_total_flops() / samples or None
 
     def row(self, wall: float, items: float | None) -> list[float]:
         """This rank's phases in the window ending here, for the window's agreement to gather;
@@ -566,9 +526,10 @@ class Speed:
         out = {"samples_per_s": times.samples / seconds}
         if tokens:
             out["tokens_per_s"] = times.items / seconds
-        utilisation = mfu(self.flops.per_sample, out["samples_per_s"], self.peak, self.world_size)
-        if utilisation is not None:
-            out["mfu"] = utilisation
+        if self.flops_per_sample and self.peak:  # the FLOP/s the samples needed over the peak's
+            out["mfu"] = (
+                self.flops_per_sample * out["samples_per_s"] / (self.peak * self.world_size)
+            )
         return out
 
     def close(self) -> None:

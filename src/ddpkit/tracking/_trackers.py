@@ -27,18 +27,19 @@ def _remember(run_dir: Path, name: str, run_id: str) -> None:
     fs.write_atomic(run_dir / "loggers.json", (json.dumps(ids) + "\n").encode())
 
 
-def _need(module: str, extra: str) -> Any:
+def need(name: str) -> Any:
+    """The tracker's package (of the extra of its name), imported; a missing one is named."""
     try:
-        return __import__(module)
+        return __import__(name)
     except ImportError as err:
         raise ImportError(
-            f"LoggingConfig(trackers=[{extra!r}]) needs `pip install 'ddpkit[{extra}]'`"
+            f"LoggingConfig(trackers=[{name!r}]) needs `pip install 'ddpkit[{name}]'`"
         ) from err
 
 
 class MLflowLogger:
     def __init__(self, run_dir: Path, params: dict[str, Any]) -> None:
-        mlflow = _need("mlflow", "mlflow")
+        mlflow = need("mlflow")
         from mlflow.entities import Metric, Param
 
         self._metric = Metric
@@ -74,7 +75,7 @@ class MLflowLogger:
 
 class WandbLogger:
     def __init__(self, run_dir: Path, params: dict[str, Any]) -> None:
-        wandb = _need("wandb", "wandb")
+        wandb = need("wandb")
         offline = not (os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE"))
         run_id = _ids(run_dir).get("wandb") or uuid.uuid4().hex[:8]
         # without a key wandb.init would ask for one on the terminal
@@ -94,12 +95,6 @@ class WandbLogger:
 
     def close(self) -> None:
         self.run.finish()
-
-
-def require(names: tuple[str, ...] | list[str]) -> None:
-    """Import each logger's package now, so that a missing extra is named before training starts."""
-    for name in names:
-        _need(name, name)
 
 
 def build(names: tuple[str, ...] | list[str], run_dir: Path, params: dict[str, Any]) -> list[Any]:

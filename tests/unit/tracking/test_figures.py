@@ -14,7 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from ddpkit.demo import CHARS, TinyGPT
-from ddpkit.tracking._speed import ATTENTION, PHASES, FlopCount, StepTimings
+from ddpkit.tracking._speed import ATTENTION, PHASES, Speed, StepTimings
 
 FUSED = "aten._scaled_dot_product_flash_attention_for_cpu"
 # torch's counter has a formula of its own for the fused kernels from 2.15 on (another count than
@@ -41,8 +41,8 @@ def test_attention_on_the_cpu_counts_the_standard_flops(layers, width, heads, le
     """A small GPT (``examples/lm.py``'s defaults, and a smaller one) on the CPU, whose attention
     runs in the fused kernel: its FLOPs are the standard 6N + 12 x layers x heads x head dim x
     length a token (N: the matmuls' weights), what the counter gives the unfused (math) path, and
-    what :class:`FlopCount` counts. Control: without the formula the counter leaves attention out,
-    6N alone (0.861 of the count at the example's defaults)."""
+    what the run's :class:`Speed` counts. Control: without the formula the counter leaves attention
+    out, 6N alone (0.861 of the count at the example's defaults)."""
     torch.manual_seed(0)
     model = TinyGPT(len(CHARS), length, width, layers, heads)
     tokens = torch.randint(0, len(CHARS), (3, length))
@@ -58,10 +58,11 @@ def test_attention_on_the_cpu_counts_the_standard_flops(layers, width, heads, le
     math, math_ops = _count(model, run, math=True)
     assert "aten.bmm" in math_ops and FUSED not in math_ops
     assert fused == math == standard
-    counted = FlopCount()
-    with counted.counting(samples=3):
+    cpu = torch.device("cpu")
+    speed = Speed(model, cpu, enabled=True, precision="fp32", world_size=1, peak_flops=1e12)
+    with speed.counting(tokens):
         run(model).sum().backward()
-    assert counted.flops == standard and counted.per_sample == standard / 3
+    assert speed.flops_per_sample == standard / 3
     # Control: the counter's own mapping leaves the fused kernels out (where it has no formula).
     without, _ = _count(model, run, math=False, formula=False)
     if TORCH_COUNTS_FUSED:

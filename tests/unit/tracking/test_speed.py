@@ -13,17 +13,14 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from ddpkit.tracking import _speed as flops
 from ddpkit.tracking._curves import RANKS_PANEL, panels, read_curves
 from ddpkit.tracking._speed import (
     PHASES,
-    FlopCount,
     RankTimes,
     RunSpeed,
     Speed,
     StepTimings,
     device_peak,
-    mfu,
     peak_flops,
 )
 
@@ -32,21 +29,28 @@ def _forward_backward(model: nn.Module, x: torch.Tensor) -> None:
     model(x).sum().backward()
 
 
+def _counting_speed() -> Speed:
+    """A run's speed on the CPU with a peak given: its first micro-batch's FLOPs are counted."""
+    model, cpu = nn.Linear(1, 1), torch.device("cpu")
+    return Speed(model, cpu, enabled=True, precision="fp32", world_size=1, peak_flops=1e12)
+
+
 def test_flops_per_sample_of_linear_layers_are_about_six_times_the_weights():
     model = nn.Sequential(nn.Linear(32, 64, bias=False), nn.ReLU(), nn.Linear(64, 8, bias=False))
     x = torch.randn(5, 32)
-    count = FlopCount()
-    with count.counting(samples=5):
+    speed = _counting_speed()
+    assert speed.flops_per_sample is None  # nothing counted yet
+    with speed.counting(x):
         _forward_backward(model, x)
     with FlopCounterMode(display=False) as own:  # the counter's own count of the same work
         _forward_backward(model, x)
-    assert count.flops == own.get_total_flops()
+    assert speed.flops_per_sample == own.get_total_flops() / 5
     weights = 32 * 64 + 64 * 8
     # Forward 2 per weight, the weights' gradients 2, the inputs' gradients 2, except the first
     # layer's input (the data), which needs none: 6 x weights less 2 x the first layer's.
-    assert count.per_sample == 6 * weights - 2 * 32 * 64
-    assert 4 * weights < count.per_sample <= 6 * weights
-    assert FlopCount().per_sample is None  # nothing counted yet
+    assert speed.flops_per_sample == 6 * weights - 2 * 32 * 64
+    assert 4 * weights < speed.flops_per_sample <= 6 * weights
+    assert isinstance(speed.counting(x), contextlib.nullcontext)  # the first micro-batch only
 
 
 @pytest.mark.parametrize(
@@ -81,9 +85,17 @@ def test_unknown_devices_and_dtypes_get_no_peak(monkeypatch):
     monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
     assert device_peak(torch.device("cuda", 0), "fp32") == pytest.approx(494.7e12)  # TF32 allowed
     assert device_peak(torch.device("cuda", 0), "bf16") == pytest.approx(989.4e12)
-    assert flops.matmul_dtype("fp32") == "tf32"
-    assert mfu(None, 100.0, 1e12, 2) is None and mfu(1e9, 100.0, None, 2) is None
-    assert mfu(1e9, 100.0, 1e12, 2) == pytest.approx(0.05)
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "highest")
+    assert device_peak(torch.device("cuda", 0), "fp32") == pytest.approx(66.9e12)  # no TF32
+
+
+def test_mfu_is_the_flops_the_samples_needed_over_the_devices_peak():
+    ms = {p: [1.0, 1.0] for p in PHASES}  # a window of 1 s in which the ranks read 100 samples
+    times = RankTimes(ms=ms, step_ms=[10.0, 10.0], wall=1.0, samples=100.0, items=0.0)
+    speed = _counting_speed()  # a peak of 1e12 FLOP/s, nothing counted yet: no MFU
+    assert "mfu" not in speed.rates(times, tokens=False)
+    speed.flops_per_sample, speed.world_size = 1e9, 2
+    assert speed.rates(times, tokens=False) == {"samples_per_s": 100.0, "mfu": pytest.approx(0.05)}
 
 
 def _times(busy: dict[str, list[float]], step: float = 100.0) -> RankTimes:
@@ -154,8 +166,9 @@ def test_counting_flops_leaves_the_gradients_bitwise_the_same():
     for count in (True, False):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
-        with FlopCount().counting(samples=8) if count else contextlib.nullcontext():
-            _forward_backward(model, torch.randn(8, 16))
+        x = torch.randn(8, 16)
+        with _counting_speed().counting(x) if count else contextlib.nullcontext():
+            _forward_backward(model, x)
         grads.append([p.grad.clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
@@ -376,13 +389,14 @@ def test_on_cuda_the_phases_are_read_from_events_on_the_device(mark):
         for _ in range(100):  # device work queued in the optimizer's span: the host returns at once
             x @ x.T
         timings.after_optimizer()
-    times = StepTimings.times([timings.row(wall=1.0, items=0.0)], wall=1.0, steps=5)
-    assert times.samples == 5 * 2 * 512
-    assert 0 < times.ms["compute"][0] < times.ms["optimizer"][0]
+    row = timings.row(wall=1.0, items=0.0)
+    seconds = dict(zip(PHASES, row))
+    assert row[len(PHASES) + 1] == 5 * 2 * 512  # the samples read
+    assert 0 < seconds["compute"] < seconds["optimizer"]
     if mark:  # the last backward's queued device work, after its gradients' event
-        assert times.ms["comm"][0] > 0.2 * times.ms["compute"][0]
+        assert seconds["comm"] > 0.2 * seconds["compute"]
     else:  # Control: with no mark, all of it is compute.
-        assert times.ms["comm"][0] == 0
+        assert seconds["comm"] == 0
 
 
 def test_a_peak_that_is_not_positive_is_refused_naming_the_option():
