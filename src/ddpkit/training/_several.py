@@ -5,7 +5,7 @@ optimizers")."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import nullcontext
 from types import SimpleNamespace
 from typing import Any, cast
@@ -22,9 +22,9 @@ from ddpkit.training._config import TrainerConfig
 from ddpkit.training._evaluation import MetricFn
 from ddpkit.training._step import (
     MicroBatch,
+    Step,
     StepBody,
     TrainStep,
-    WeightedStep,
     dropout_layout,
 )
 from ddpkit.training._validation import check_metric_driven, metric_driven
@@ -152,10 +152,8 @@ StepFn = Callable[[StepContext], Any]
 def step_fn_body(step_fn: StepFn) -> StepBody:
     """The Trainer's step body (:data:`~ddpkit.training._step.StepBody`) with a ``step_fn``."""
 
-    def body(
-        owner: TrainStep, micro_batches: Iterable[MicroBatch], _weighted: WeightedStep | None
-    ) -> dict[str, bool]:
-        context = StepContext(owner, list(micro_batches))
+    def body(owner: TrainStep, step: Step) -> dict[str, bool]:
+        context = StepContext(owner, list(step.micro_batches))  # (count_fn is refused)
         step_fn(context)
         # One that a backward named must step: unstepped, a NaN of one rank would reach the next
         # step without a verdict. One no backward named is left out (a WGAN's generator).

@@ -258,7 +258,7 @@ class OptimizerStep:
         return False
 
 
-StepBody = Callable[["TrainStep", Iterable[MicroBatch], "WeightedStep | None"], dict[str, bool]]
+StepBody = Callable[["TrainStep", Step], dict[str, bool]]
 """What a step runs between its start and its end: forward and backward on the micro-batches and
 the optimizer steps (:meth:`TrainStep.backward`, :meth:`TrainStep.optimize`); returns whether each
 optimizer step was taken, by name."""
@@ -296,14 +296,7 @@ class TrainStep:
         for optimizer_step in self.steps.values():
             optimizer_step.begin()  # the gradients set to None before the step's first forward
         self.timings.start_step()
-        weighted = (
-            None
-            if self.batch_loss.count_fn is None
-            else WeightedStep(
-                step, self.batch_loss.count_fn, self.sampler.world_size, self.optimizer_step.group
-            )
-        )
-        taken_by = self.body(self, weighted or step.micro_batches, weighted)
+        taken_by = self.body(self, step)
         self.timings.end_step()
         if self.scaler is not None:
             # once a step, after every optimizer's unscale_ (GradScaler's rule)
@@ -316,12 +309,16 @@ class TrainStep:
         self.window.end_step(taken)
         return taken
 
-    def one_model(
-        self, micro_batches: Iterable[MicroBatch], weighted: WeightedStep | None
-    ) -> dict[str, bool]:
+    def one_model(self, step: Step) -> dict[str, bool]:
         """The step of one model: forward (under autocast and the global batch's dropout layout,
         where they apply), loss and backward on each micro-batch, then the optimizer step."""
-        for micro in micro_batches:
+        count_fn, group = self.batch_loss.count_fn, self.optimizer_step.group
+        weighted = (
+            None
+            if count_fn is None
+            else WeightedStep(step, count_fn, self.sampler.world_size, group)
+        )
+        for micro in weighted or step.micro_batches:
             # the run's first micro-batch, once a peak is known: its forward and backward counted
             counting = self.speed.counting(micro.batch)
             # all but the last backward accumulate without synchronising the gradients

@@ -40,7 +40,6 @@ from ddpkit.snapshot._run_record import RunRecord, write_resolved_config
 from ddpkit.snapshot._snapshots import Snapshots, resumes
 from ddpkit.snapshot._state import RankStreams, TrainState
 from ddpkit.strategies import Strategy, build_strategy
-from ddpkit.strategies._ddp import SeveralModels
 from ddpkit.tracking._metrics import MetricsWriter, Progress, format_metrics, run_summary
 from ddpkit.tracking._speed import Speed
 from ddpkit.training._config import TrainerConfig  # noqa: F401  (imported from here by scripts)
@@ -217,10 +216,14 @@ class Trainer:
         rt = self.runtime
         self.group = rt.group
         self.callbacks = list(callbacks)
-        if config.global_batch_dropout and step_fn is None:
-            convert_dropout(model)
         self.step_fn = step_fn
+        # each optimizer's model (and its parameters no optimizer holds) and scheduler, by name
+        views: Mapping[str, Strategy]
         if step_fn is None:
+            if metric_driven(scheduler):  # stepped at each validation, with its metric
+                check_metric_driven(config, scheduler, val_data)
+            if config.global_batch_dropout:
+                convert_dropout(model)
             # the lr as asked, before any scheduler step
             record = RunRecord.of(config, optimizer, model)
             # zero and fsdp rebuild the optimizer over what they shard (the scheduler follows)
@@ -232,22 +235,22 @@ class Trainer:
                 sync_batchnorm=config.sync_batchnorm,
                 scheduler=scheduler,
             )
+            views, outside, schedulers = {"": self.strategy}, {}, {"": scheduler}
         else:  # several models and optimizers, by name (ddpkit.training._several)
             refused = {
                 "loss_fn": loss_fn, "batch_loss_fn": batch_loss_fn, "count_fn": count_fn,
                 "compile": config.compile, "snapshot memory": config.snapshot.memory,
             }  # fmt: skip
-            self.strategy, scheduler, record, metric_fn = several_models(
+            several, scheduler, record, metric_fn = several_models(
                 config, model, optimizer, scheduler, rt, refused, val_data, metric_fn
             )
+            self.strategy, views, outside = several, several.views, several.outside
+            schedulers = scheduler.schedulers if scheduler else {}
         self.model, self.optimizer = self.strategy.model, self.strategy.optimizer
         self.scheduler = scheduler
-        # stepped at each validation, with its metric (several models': checked by several_models)
         self._plateau = metric_driven(scheduler) or (
             isinstance(scheduler, Schedulers) and scheduler.metric_driven
         )
-        if self._plateau and step_fn is None:
-            check_metric_driven(config, scheduler, val_data)
         self._forward = (
             compile_for_training(self.model, rt.device) if config.compile else self.model
         )
@@ -311,13 +314,6 @@ class Trainer:
             print0=partial(print0, group=self.group),
         )  # fmt: skip
         self.memory = self.snapshots.memory  # copies in shared memory after steps (None: off)
-        views: Mapping[str, Strategy] = {"": self.strategy}
-        if step_fn is None:
-            outside, schedulers = {}, {"": scheduler}
-        else:
-            several = cast(SeveralModels, self.strategy)
-            views, outside = several.views, several.outside
-            schedulers = scheduler.schedulers if scheduler else {}
         # an optimizer step per optimizer, by name (one model: its step's name is never shown); a
         # metric-driven scheduler steps at validations, with its metric
         steps = {
@@ -330,7 +326,7 @@ class Trainer:
                 log=self.writer.log,
                 group=self.group,
                 outside=outside.get(name),
-            )  # fmt: skip
+            )
             for name, view in views.items()
         }
         self.train_step = TrainStep(
