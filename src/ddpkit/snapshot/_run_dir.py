@@ -20,18 +20,16 @@ from ddpkit.distributed import Group
 from ddpkit.distributed._collectives import broadcast_object
 
 
-class RunDirLock(FolderLock):
+def run_dir_lock(run_dir: str | os.PathLike) -> FolderLock:
     """An exclusive advisory lock on ``run_dir/.lock``, naming its holder (host, pid) inside."""
-
-    def __init__(self, run_dir: str | os.PathLike) -> None:
-        super().__init__(
-            run_dir,
-            what="run_dir",
-            job="job",
-            user="run",
-            hazard="two jobs on one run directory would interleave their records and resume from "
-            "each other's snapshots",
-        )
+    return FolderLock(
+        run_dir,
+        what="run_dir",
+        job="job",
+        user="run",
+        hazard="two jobs on one run directory would interleave their records and resume from each "
+        "other's snapshots",
+    )
 
 
 PREVIOUS_RUN = (
@@ -45,7 +43,7 @@ RUN_FILES = (*PREVIOUS_RUN, "mlflow.db", "wandb")
 """What a run writes in its run directory (besides ``.lock``): none of it may be a symbolic link."""
 
 
-_HELD: dict[Path, RunDirLock] = {}
+_HELD: dict[Path, FolderLock] = {}
 """The run directories of phases this process has locked, until it ends."""
 TRAINERS: weakref.WeakKeyDictionary[Any, tuple[Path, str | None]] = weakref.WeakKeyDictionary()
 """Each live Trainer of this process, and the (run_dir, phase) it trains in."""
@@ -83,17 +81,17 @@ def claim(
     fresh: bool,
     group: Group = None,
     root: str | os.PathLike | None = None,
-) -> RunDirLock | None:
+) -> FolderLock | None:
     """Lock ``run_dir`` on the group's main rank; with ``fresh`` (``resume=False``) move the
     previous run aside. Refused on every rank when the run directory or what the run writes there
     is another user's or a symbolic link. ``root``: ``run_dir`` is a phase's folder in it, and the
     lock is ``root``'s, held by this process until it ends (None is returned)."""
-    lock: RunDirLock | None = None
-    error: tuple[str, int | None] | None = None
+    lock: FolderLock | None = None
+    error: Exception | None = None
     if is_main:
         path, top = Path(run_dir), Path(root or run_dir)
         held = _HELD.get(top.resolve())
-        taken = held or RunDirLock(top)
+        taken = held or run_dir_lock(top)
         try:
             # before the lock file is made: nothing is created in another user's folder
             fs.check_owned(top, "run_dir", follow=True, kind="run_dir")
@@ -111,15 +109,13 @@ def claim(
         except (ConfigError, OSError) as err:
             if held is None:
                 taken.release()
-            error = (str(err), None)
+            error = err
             if isinstance(err, OSError):  # an OSError on every rank: a search tells it by errno
-                error = (f"cannot take run_dir {str(path)!r}: {err.strerror or err}", err.errno)
-    error = broadcast_object(error, group=group)
+                message = f"cannot take run_dir {str(path)!r}: {err.strerror or err}"
+                error = OSError(err.errno, message)
+    error = broadcast_object(error, group=group)  # raised on every rank alike
     if error is not None:
-        message, code = error
-        if code is not None:
-            raise OSError(code, message)
-        raise ConfigError(message)
+        raise error
     return lock
 
 

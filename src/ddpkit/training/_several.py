@@ -6,7 +6,7 @@ optimizers")."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -14,23 +14,18 @@ import torch
 from torch import nn
 
 from ddpkit._errors import ConfigError
-from ddpkit.data._sampler import ShardedBatchSampler
-from ddpkit.distributed import Group
 from ddpkit.nn._dropout import convert_dropout
 from ddpkit.snapshot._run_record import RunRecord
-from ddpkit.snapshot._state import TrainState
 from ddpkit.strategies import DDPConfig, strategy_config
 from ddpkit.strategies._ddp import SeveralModels
-from ddpkit.tracking._speed import Speed, StepTimings
 from ddpkit.training._config import TrainerConfig
 from ddpkit.training._evaluation import MetricFn
 from ddpkit.training._step import (
-    LossWindow,
     MicroBatch,
-    OptimizerStep,
     Step,
+    StepBody,
+    TrainStep,
     dropout_layout,
-    scale_loss,
 )
 from ddpkit.training._validation import check_metric_driven, metric_driven
 
@@ -39,10 +34,11 @@ class StepContext:
     """What a step function gets: the wrapped ``models`` and ``optimizers`` by name, the
     micro-batches, and the two calls that replace ``loss.backward()`` and ``optimizer.step()``."""
 
-    def __init__(self, owner: ManualStep, micro: list[MicroBatch]) -> None:
+    def __init__(self, owner: TrainStep, micro: list[MicroBatch]) -> None:
         self._owner, self._micro = owner, micro
-        self.models: dict[str, torch.nn.Module] = owner.strategy.models
-        self.optimizers: dict[str, torch.optim.Optimizer] = owner.strategy.optimizers
+        self._strategy = cast(SeveralModels, owner.strategy)
+        self.models: dict[str, torch.nn.Module] = self._strategy.models
+        self.optimizers: dict[str, torch.optim.Optimizer] = self._strategy.optimizers
         # each optimizer stepped so far: taken, or skipped (non-finite)
         self.taken: dict[str, bool] = {}
         self._at: MicroBatch | None = None
@@ -106,21 +102,16 @@ class StepContext:
             )
         if loss.ndim:
             loss = loss.reshape(())  # the loss window stacks 0-dim losses
-        owner.window.add(loss, micro.samples, "+".join(names))
         self.trained.update(names)
         if micro.last:
             self._unsynced.difference_update(names)
         else:
             self._unsynced.update(names)
-        for name in names:
-            loss = owner.strategy.views[name].mark_nonfinite(loss)
-        scaled = scale_loss(loss, micro, None)
-        if micro.last:  # its backward synchronises
-            owner.timings.sync_backward(scaled)
+        views = [self._strategy.views[name] for name in names]
         # backward runs in the forward's dtypes anyway
-        with torch.autocast(owner.device_type, enabled=False):
-            (owner.scaler.scale(scaled) if owner.scaler else scaled).backward()
-        if micro.last:
+        with torch.autocast(self._strategy.runtime.device.type, enabled=False):
+            owner.backward(loss, micro, None, views, "+".join(names))
+        if micro.last:  # its backward synchronised
             owner.timings.backward_returned()
 
     def optimizer_step(self, name: str) -> bool:
@@ -149,10 +140,8 @@ class StepContext:
                 "batch in step.micro_batches():` to its end (no break), with a backward on every "
                 "micro-batch"
             )
-        owner.timings.before_optimizer()
-        taken = self.taken[name] = owner.steps[name](owner.window)
+        taken = self.taken[name] = owner.optimize(name, more=True)
         self.optimizers[name].zero_grad(set_to_none=True)
-        owner.timings.after_optimizer(more=True)
         return taken
 
 
@@ -160,63 +149,12 @@ StepFn = Callable[[StepContext], Any]
 """``step_fn(step)``: one optimizer step of several models and optimizers, written by the user."""
 
 
-class ManualStep:
-    """The Trainer's step with a ``step_fn``: calling it returns whether every optimizer step was
-    taken. ``sampler``: the training loader's, which places each micro-batch in the global batch
-    (``global_batch_dropout``)."""
+def step_fn_body(step_fn: StepFn) -> StepBody:
+    """The Trainer's step body (:data:`~ddpkit.training._step.StepBody`) with a ``step_fn``."""
 
-    def __init__(
-        self,
-        config: TrainerConfig,
-        strategy: SeveralModels,
-        step_fn: StepFn,
-        *,
-        schedulers: Mapping[str, Any],
-        scaler: torch.amp.GradScaler | None,
-        state: TrainState,
-        window: LossWindow,
-        autocast: Callable[[], AbstractContextManager[Any]],
-        log: Callable[[str, int, dict[str, Any]], None],
-        group: Group,
-        sampler: ShardedBatchSampler,
-        speed: Speed,
-    ) -> None:
-        # the backwards and what runs between the optimizer steps are timed as `compute`
-        self.timings: StepTimings = speed.timings
-        self.strategy, self.step_fn, self.scaler = strategy, step_fn, scaler
-        self.state, self.window = state, window
-        self.autocast, self.device_type = autocast, strategy.runtime.device.type
-        self.config, self.sampler = config, sampler
-        # a metric-driven one steps at validations, with its metric
-        scheduler_of = {
-            name: s
-            for name, s in schedulers.items()
-            if config.scheduler_interval == "step" and not metric_driven(s)
-        }
-        self.steps = {
-            name: OptimizerStep(
-                config,
-                view,
-                scheduler=scheduler_of.get(name),
-                scaler=scaler,
-                state=state,
-                log=log,
-                group=group,
-                counts=False,
-                outside=strategy.outside[name],
-            )  # fmt: skip
-            for name, view in strategy.views.items()
-        }
-        # the first optimizer's norm and lr, for the records
-        self.optimizer_step = next(iter(self.steps.values()))
-
-    def __call__(self, step: Step) -> bool:
-        self.timings.start_step()
-        for optimizer_step in self.steps.values():
-            optimizer_step.begin()
-        context = StepContext(self, list(step.micro_batches))
-        self.step_fn(context)
-        self.timings.end_step()
+    def body(owner: TrainStep, step: Step) -> dict[str, bool]:
+        context = StepContext(owner, list(step.micro_batches))  # (count_fn is refused)
+        step_fn(context)
         # One that a backward named must step: unstepped, a NaN of one rank would reach the next
         # step without a verdict. One no backward named is left out (a WGAN's generator).
         unstepped = sorted(context.trained - set(context.taken))
@@ -225,16 +163,9 @@ class ManualStep:
                 f"the step function did not call step.optimizer_step() for {', '.join(unstepped)}, "
                 "which a step.backward() named: step every optimizer a step trains, once"
             )
-        if self.scaler is not None:
-            # once a step, after every optimizer's unscale_ (GradScaler's rule)
-            self.scaler.update()
-        taken = all(context.taken.values())
-        if taken:
-            self.state.step += 1
-        elif any(self.steps[name].skipped for name in context.taken):
-            self.state.skipped_steps += 1  # once, however many of its optimizers skipped
-        self.window.end_step(taken)
-        return taken
+        return context.taken
+
+    return body
 
 
 class Schedulers:

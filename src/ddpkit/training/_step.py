@@ -30,8 +30,6 @@ from ddpkit.tracking._speed import Speed, StepTimings
 from ddpkit.training._config import TrainerConfig
 from ddpkit.training._evaluation import BatchLoss, CountFn
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 @dataclass(slots=True)
 class MicroBatch:
@@ -48,8 +46,6 @@ class Step:
     trains."""
 
     micro_batches: Iterator[MicroBatch]
-    first: int  # the number, in the epoch, of its first global batch
-    count: int  # how many micro-batches it has
     cursor: int  # the epoch's cursor once the step is taken: samples trained on, over all ranks
     last_in_epoch: bool
 
@@ -81,14 +77,12 @@ def epoch_steps(
     it = iter(batches)
     end, num_samples = sampler.steps_per_epoch, sampler.num_samples
     for start in range(first, end, accum):
-        count = min(accum, end - start)
+        stop = min(start + accum, end)
         step_samples = sampler.samples_in_step(start, accum)
         yield Step(
-            _micro_batches(it, range(start, start + count), step_samples, sampler, device, timings),
-            start,
-            count,
-            min((start + count) * sampler.global_batch_size, num_samples),
-            start + count == end,
+            _micro_batches(it, range(start, stop), step_samples, sampler, device, timings),
+            min(stop * sampler.global_batch_size, num_samples),
+            stop == end,
         )
 
 
@@ -141,16 +135,6 @@ class WeightedStep:
         return loss_divisor(count, self.world_size, self.total)
 
 
-def scale_loss(
-    loss: torch.Tensor, micro: MicroBatch, weighted: WeightedStep | None
-) -> torch.Tensor:
-    """``micro``'s mean loss divided by its divisor in the step: per item with ``weighted``, else
-    per sample."""
-    if weighted is not None:
-        return loss / weighted.divisor(micro).to(loss.dtype)
-    return loss / micro.divisor if micro.divisor != 1 else loss  # 1: the loss as it is, bit for bit
-
-
 def dropout_layout(
     sampler: ShardedBatchSampler, micro: MicroBatch, config: TrainerConfig, epoch: int, passes: int
 ) -> AbstractContextManager[Any]:
@@ -179,27 +163,14 @@ def _as_count(value: Any) -> torch.Tensor:
     raise TypeError(f"count_fn returned a {type(value).__name__}: return an int or a 0-dim tensor")
 
 
-def autocast(precision: str, device: torch.device) -> AbstractContextManager[Any]:
-    """``torch.autocast`` for ``bf16`` and ``fp16`` on ``device``'s type; nothing for ``fp32``."""
-    if precision == "fp32":
-        return nullcontext()
-    return torch.autocast(device.type, dtype=DTYPES[precision])
-
-
-def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler | None:
-    """A GradScaler for ``fp16`` (its small exponent range underflows small gradients); none
-    otherwise: bf16 has fp32's range."""
-    return torch.amp.GradScaler(device.type) if precision == "fp16" else None
-
-
 class OptimizerStep:
     """Clip and step when the synchronised gradients are finite; skip or stop everywhere alike when
     not. ``grad_norm``: the global norm of the last step taken, before clipping (when clipping);
     ``step_norm``: that of the step just done, where the strategy computed it; ``lr``: its rate.
 
-    ``counts``: the step advances the step counter and updates the fp16 scaler (a step of several
-    optimizers does both once, after the last). ``outside``: the parameters beside the optimizer's
-    whose gradients a skip sets to None too (None: every parameter of the strategy's model).
+    The step counter, the skip count and the fp16 scaler's update are :class:`TrainStep`'s: once a
+    step, however many optimizers it has. ``outside``: the parameters beside the optimizer's whose
+    gradients a skip sets to None too (None: every parameter of the strategy's model).
     """
 
     def __init__(
@@ -212,19 +183,16 @@ class OptimizerStep:
         state: TrainState,
         log: Callable[[str, int, dict[str, Any]], None],
         group: Group,
-        counts: bool = True,
         outside: list[torch.nn.Parameter] | None = None,
     ) -> None:
         self.config, self.strategy = config, strategy
         self.scheduler, self.scaler = scheduler, scaler
-        self.state, self.log, self.group, self.counts = state, log, group, counts
+        self.state, self.log, self.group = state, log, group
         self.outside = outside
         self.grad_norm: torch.Tensor | None = None
         self.step_norm: torch.Tensor | None = None
         self.lr = 0.0
-        self.skipped = False
-        """This step was skipped for non-finite values (not an fp16 overflow): under several
-        optimizers, the step counts once in ``skipped_steps`` however many of them skipped."""
+        self.skipped = False  # for non-finite values (not an fp16 overflow)
 
     def begin(self) -> None:
         """Before the step's first forward: the gradients set to None (what reached them since the
@@ -245,15 +213,11 @@ class OptimizerStep:
             self.grad_norm = verdict.norm
         if self.scaler is not None:
             self.scaler.step(optimizer)
-            if self.counts:
-                self.scaler.update()
         else:
             optimizer.step()
         # The gradients stay, for on_step_end callbacks to read, until the next step's begin().
         if self.scheduler is not None and cfg.scheduler_interval == "step":
             self.scheduler.step()
-        if self.counts:
-            self.state.step += 1
         return True
 
     def _nonfinite(self, window: LossWindow) -> bool:
@@ -271,8 +235,7 @@ class OptimizerStep:
         # bad loss?
         bad_ranks = int(all_reduce(float(not window.step_is_finite()), group=self.group))
         if self.scaler is not None:
-            if self.counts:
-                self.scaler.update()  # the scaler saw the inf/NaN in unscale_: it lowers its scale
+            # (the scaler saw the inf/NaN in unscale_: TrainStep's update lowers its scale)
             if not bad_ranks:  # fp16 overflow with finite losses: routine, the scaler's business
                 scale = self.scaler.get_scale()
                 self.log("event", state.step, {"event": "fp16_overflow", "scale": scale})
@@ -287,25 +250,31 @@ class OptimizerStep:
                 "on_nonfinite='skip'"
             )
         self.skipped = True
-        if self.counts:
-            state.skipped_steps += 1
-        # under several optimizers, the step this one is skipped in counts once, when it ends
-        skipped = state.skipped_steps + (0 if self.counts else 1)
+        # the step counts once in skipped_steps when it ends, however many optimizers skipped
+        skipped = state.skipped_steps + 1
         self.log(
             "event", state.step, {"event": "skipped_nonfinite", "reason": what, "skipped": skipped}
         )
         return False
 
 
+StepBody = Callable[["TrainStep", Step], dict[str, bool]]
+"""What a step runs between its start and its end: forward and backward on the micro-batches and
+the optimizer steps (:meth:`TrainStep.backward`, :meth:`TrainStep.optimize`); returns whether each
+optimizer step was taken, by name."""
+
+
 class TrainStep:
-    """The Trainer's step of one model and one optimizer: forward and backward on each micro-batch,
-    then the optimizer step; calling it returns whether the step was taken."""
+    """The Trainer's step, of one model and optimizer or of several (a ``body``:
+    :func:`ddpkit.training._several.step_fn_body`): calling it runs the step and returns whether
+    every optimizer step was taken. ``steps``: the optimizer steps by name; the first's scaler and
+    group are the step's, its norm and lr the records'."""
 
     def __init__(
         self,
         config: TrainerConfig,
         strategy: Strategy,
-        optimizer_step: OptimizerStep,
+        steps: dict[str, OptimizerStep],
         *,
         forward: torch.nn.Module,
         autocast: Callable[[], AbstractContextManager[Any]],
@@ -313,48 +282,100 @@ class TrainStep:
         window: LossWindow,
         sampler: ShardedBatchSampler,
         speed: Speed,
+        body: StepBody | None = None,
     ) -> None:
-        """``optimizer_step``'s scaler and group are the step's."""
-        self.config, self.strategy, self.optimizer_step = config, strategy, optimizer_step
+        self.config, self.strategy, self.steps = config, strategy, steps
+        self.optimizer_step = next(iter(steps.values()))
+        self.state, self.scaler = self.optimizer_step.state, self.optimizer_step.scaler
         self.speed, self.timings = speed, speed.timings
         self.forward, self.batch_loss, self.autocast = forward, batch_loss, autocast
-        self.window, self.sampler, self.scaler = window, sampler, optimizer_step.scaler
+        self.window, self.sampler = window, sampler
+        self.body: StepBody = body or TrainStep.one_model
 
     def __call__(self, step: Step) -> bool:
-        self.optimizer_step.begin()  # the gradients set to None before the step's first forward
+        for optimizer_step in self.steps.values():
+            optimizer_step.begin()  # the gradients set to None before the step's first forward
         self.timings.start_step()
+        taken_by = self.body(self, step)
+        self.timings.end_step()
+        if self.scaler is not None:
+            # once a step, after every optimizer's unscale_ (GradScaler's rule)
+            self.scaler.update()
+        taken = all(taken_by.values())
+        if taken:
+            self.state.step += 1
+        elif any(self.steps[name].skipped for name in taken_by):
+            self.state.skipped_steps += 1  # once, however many of its optimizers skipped
+        self.window.end_step(taken)
+        return taken
+
+    def one_model(self, step: Step) -> dict[str, bool]:
+        """The step of one model: forward (under autocast and the global batch's dropout layout,
+        where they apply), loss and backward on each micro-batch, then the optimizer step."""
+        count_fn, group = self.batch_loss.count_fn, self.optimizer_step.group
         weighted = (
             None
-            if self.batch_loss.count_fn is None
-            else WeightedStep(
-                step, self.batch_loss.count_fn, self.sampler.world_size, self.optimizer_step.group
-            )
+            if count_fn is None
+            else WeightedStep(step, count_fn, self.sampler.world_size, group)
         )
         for micro in weighted or step.micro_batches:
             # the run's first micro-batch, once a peak is known: its forward and backward counted
             counting = self.speed.counting(micro.batch)
             # all but the last backward accumulate without synchronising the gradients
             with counting, nullcontext() if micro.last else self.strategy.no_sync():
-                self.micro_batch(micro, weighted)
+                epoch = self.state.epoch
+                with self.autocast(), dropout_layout(self.sampler, micro, self.config, epoch, 0):
+                    loss = self.batch_loss(self.forward, micro.batch)
+                self.backward(loss, micro, weighted, (self.strategy,))
+        (name,) = self.steps
+        return {name: self.optimize(name)}
+
+    def backward(
+        self,
+        loss: torch.Tensor,
+        micro: MicroBatch,
+        weighted: WeightedStep | None,
+        marking: Iterable[Strategy],
+        name: str | None = None,
+    ) -> None:
+        """``micro``'s mean ``loss`` into the window (under ``name``), a non-finite value put into
+        the gradients that ``marking``'s verdicts read, then divided by its divisor in the step (per
+        item with ``weighted``, else per sample), scaled under fp16, and backward."""
+        self.window.add(loss, micro.samples, name)
+        for strategy in marking:
+            loss = strategy.mark_nonfinite(loss)
+        if weighted is not None:
+            loss = loss / weighted.divisor(micro).to(loss.dtype)
+        elif micro.divisor != 1:  # 1: the loss as it is, bit for bit
+            loss = loss / micro.divisor
+        if micro.last:
+            self.timings.sync_backward(loss)
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def output(self, taken: bool) -> StepOutput:
+        """The step just done, for ``on_step_end``."""
+        losses, sizes = self.window.last_step
+        norm = self.optimizer_step.step_norm
+        return StepOutput(
+            taken=taken,
+            step=self.state.step,
+            epoch=self.state.epoch,
+            lr=float(self.optimizer_step.lr),
+            grad_norm=float(norm) if taken and norm is not None else None,
+            # no read of a count left on the device: a callback reads it if it asks
+            samples=sum(sizes, 0.0),
+            losses=losses,
+            sizes=sizes,
+        )
+
+    def optimize(self, name: str, more: bool = False) -> bool:
+        """Optimizer step ``name``; ``more``: the step goes on after it (several optimizers)."""
         self.timings.before_optimizer()
         marks.mark(Phase.OPTIMIZER)  # for the launcher's stall watch (ddpkit._launch.watch)
-        taken = self.optimizer_step(self.window)
+        taken = self.steps[name](self.window)
         marks.mark(Phase.USER)
-        self.timings.after_optimizer()
-        self.window.end_step(taken)
+        self.timings.after_optimizer(more)
         return taken
-
-    def micro_batch(self, micro: MicroBatch, weighted: WeightedStep | None) -> None:
-        """Forward (under autocast and the global batch's dropout layout, where they apply), loss
-        and backward of one micro-batch."""
-        epoch = self.optimizer_step.state.epoch
-        with self.autocast(), dropout_layout(self.sampler, micro, self.config, epoch, 0):
-            loss = self.batch_loss(self.forward, micro.batch)
-        self.window.add(loss, micro.samples)
-        scaled = scale_loss(self.strategy.mark_nonfinite(loss), micro, weighted)
-        if micro.last:
-            self.timings.sync_backward(scaled)
-        (self.scaler.scale(scaled) if self.scaler else scaled).backward()
 
 
 # -- A rank's training losses between two agreements of the ranks.
@@ -589,22 +610,3 @@ class StepOutput:
             math.fsum(float(loss) * float(size) for loss, size in zip(self.losses, self.sizes))
             / samples
         )
-
-
-def step_output(
-    taken: bool, state: TrainState, optimizer_step: OptimizerStep, window: LossWindow
-) -> StepOutput:
-    """The step just done (read after the window ended the step)."""
-    losses, sizes = window.last_step
-    norm = optimizer_step.step_norm
-    return StepOutput(
-        taken=taken,
-        step=state.step,
-        epoch=state.epoch,
-        lr=float(optimizer_step.lr),
-        grad_norm=float(norm) if taken and norm is not None else None,
-        # no read of a count left on the device: a callback reads it if it asks
-        samples=sum(sizes, 0.0),
-        losses=losses,
-        sizes=sizes,
-    )

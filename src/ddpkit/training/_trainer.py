@@ -40,12 +40,17 @@ from ddpkit.snapshot._run_record import RunRecord, write_resolved_config
 from ddpkit.snapshot._snapshots import Snapshots, resumes
 from ddpkit.snapshot._state import RankStreams, TrainState
 from ddpkit.strategies import Strategy, build_strategy
-from ddpkit.strategies._ddp import SeveralModels
 from ddpkit.tracking._metrics import MetricsWriter, Progress, format_metrics, run_summary
 from ddpkit.tracking._speed import Speed
 from ddpkit.training._config import TrainerConfig  # noqa: F401  (imported from here by scripts)
 from ddpkit.training._evaluation import BatchLoss, BatchLossFn, LossFn
-from ddpkit.training._several import NO_METRIC_FN, ManualStep, Schedulers, StepFn, several_models
+from ddpkit.training._several import (
+    NO_METRIC_FN,
+    Schedulers,
+    StepFn,
+    several_models,
+    step_fn_body,
+)
 from ddpkit.training._step import (
     CountFn,
     EpochLoss,
@@ -55,10 +60,7 @@ from ddpkit.training._step import (
     StepOutput,
     StopReason,
     TrainStep,
-    autocast,
     epoch_steps,
-    grad_scaler,
-    step_output,
 )
 from ddpkit.training._validation import (
     Validation,
@@ -214,10 +216,14 @@ class Trainer:
         rt = self.runtime
         self.group = rt.group
         self.callbacks = list(callbacks)
-        if config.global_batch_dropout and step_fn is None:
-            convert_dropout(model)
         self.step_fn = step_fn
+        # each optimizer's model (and its parameters no optimizer holds) and scheduler, by name
+        views: Mapping[str, Strategy]
         if step_fn is None:
+            if metric_driven(scheduler):  # stepped at each validation, with its metric
+                check_metric_driven(config, scheduler, val_data)
+            if config.global_batch_dropout:
+                convert_dropout(model)
             # the lr as asked, before any scheduler step
             record = RunRecord.of(config, optimizer, model)
             # zero and fsdp rebuild the optimizer over what they shard (the scheduler follows)
@@ -229,22 +235,22 @@ class Trainer:
                 sync_batchnorm=config.sync_batchnorm,
                 scheduler=scheduler,
             )
+            views, outside, schedulers = {"": self.strategy}, {}, {"": scheduler}
         else:  # several models and optimizers, by name (ddpkit.training._several)
             refused = {
                 "loss_fn": loss_fn, "batch_loss_fn": batch_loss_fn, "count_fn": count_fn,
                 "compile": config.compile, "snapshot memory": config.snapshot.memory,
             }  # fmt: skip
-            self.strategy, scheduler, record, metric_fn = several_models(
+            several, scheduler, record, metric_fn = several_models(
                 config, model, optimizer, scheduler, rt, refused, val_data, metric_fn
             )
+            self.strategy, views, outside = several, several.views, several.outside
+            schedulers = scheduler.schedulers if scheduler else {}
         self.model, self.optimizer = self.strategy.model, self.strategy.optimizer
         self.scheduler = scheduler
-        # stepped at each validation, with its metric (several models': checked by several_models)
         self._plateau = metric_driven(scheduler) or (
             isinstance(scheduler, Schedulers) and scheduler.metric_driven
         )
-        if self._plateau and step_fn is None:
-            check_metric_driven(config, scheduler, val_data)
         self._forward = (
             compile_for_training(self.model, rt.device) if config.compile else self.model
         )
@@ -256,7 +262,8 @@ class Trainer:
         # the models are now identical: each rank gets its own streams (dropout, augmentation)
         seed_rank(config.seed, rt.rank)
         self._on_cpu = rt.device.type == "cpu"
-        self.scaler = grad_scaler(config.precision, rt.device)
+        # fp16's small exponent range underflows small gradients; bf16 has fp32's range
+        self.scaler = torch.amp.GradScaler(rt.device.type) if config.precision == "fp16" else None
         self.batch_loss = BatchLoss(loss_fn, batch_loss_fn, metric_fn, count_fn)
         self._metrics_given = metric_fn is not None
         self.val_data = val_data
@@ -277,7 +284,8 @@ class Trainer:
             loggers=log.trackers,
             params=config.to_json(),
         )
-        self._autocast = partial(autocast, config.precision, rt.device)
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision)
+        self._autocast = partial(torch.autocast, rt.device.type, dtype) if dtype else nullcontext
         self.evaluator = partial(
             evaluate_with, self.strategy, self.batch_loss.metrics, self._autocast, config, rt.group
         )
@@ -306,25 +314,27 @@ class Trainer:
             print0=partial(print0, group=self.group),
         )  # fmt: skip
         self.memory = self.snapshots.memory  # copies in shared memory after steps (None: off)
-        self.train_step: TrainStep | ManualStep
-        if step_fn is None:
-            self.optimizer_step = OptimizerStep(
-                config, self.strategy, scheduler=None if self._plateau else scheduler,
-                scaler=self.scaler, state=self.state, log=self.writer.log, group=self.group,
-            )  # fmt: skip
-            self.train_step = TrainStep(
-                config, self.strategy, self.optimizer_step, forward=self._forward,
-                autocast=self._autocast, batch_loss=self.batch_loss, window=self._window,
-                sampler=self.sampler, speed=self.speed,
-            )  # fmt: skip
-        else:
-            self.train_step = ManualStep(
-                config, cast(SeveralModels, self.strategy), step_fn, scaler=self.scaler,
-                state=self.state, schedulers=scheduler.schedulers if scheduler else {},
-                window=self._window, autocast=self._autocast, log=self.writer.log, group=self.group,
-                speed=self.speed, sampler=self.sampler,
-            )  # fmt: skip
-            self.optimizer_step = self.train_step.optimizer_step
+        # an optimizer step per optimizer, by name (one model: its step's name is never shown); a
+        # metric-driven scheduler steps at validations, with its metric
+        steps = {
+            name: OptimizerStep(
+                config,
+                view,
+                scheduler=None if metric_driven(s := schedulers.get(name)) else s,
+                scaler=self.scaler,
+                state=self.state,
+                log=self.writer.log,
+                group=self.group,
+                outside=outside.get(name),
+            )
+            for name, view in views.items()
+        }
+        self.train_step = TrainStep(
+            config, self.strategy, steps, forward=self._forward, autocast=self._autocast,
+            batch_loss=self.batch_loss, window=self._window, sampler=self.sampler,
+            speed=self.speed, body=None if step_fn is None else step_fn_body(step_fn),
+        )  # fmt: skip
+        self.optimizer_step = self.train_step.optimizer_step
         self._epoch_start = time.perf_counter()
         # whether the epoch's last step was taken (a step's snapshot may be due)
         self._last_taken = False
@@ -502,7 +512,7 @@ class Trainer:
         skipped everywhere alike."""
         cfg, count = self.config, self.state.step
         if self.callbacks:
-            output = step_output(taken, self.state, self.optimizer_step, self._window)
+            output = self.train_step.output(taken)
             call(self.callbacks, "on_step_end", self, output.taken, output)
             count = self.state.step  # a callback may move it
         if cfg.max_steps is not None and count >= cfg.max_steps:

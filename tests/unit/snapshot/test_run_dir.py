@@ -8,19 +8,19 @@ import os
 import pytest
 
 from ddpkit._errors import ConfigError
-from ddpkit.snapshot._run_dir import RunDirLock
+from ddpkit.snapshot._run_dir import run_dir_lock
 
 
 def test_the_lock_in_one_process_names_its_holder_and_is_released(tmp_path):
-    first = RunDirLock(tmp_path)
+    first = run_dir_lock(tmp_path)
     first.acquire()
     with pytest.raises(
         ConfigError, match=rf"in use by another job \(host .+, pid {os.getpid()}, since"
     ):
         # flock: a second open file is refused even in the same process
-        RunDirLock(tmp_path).acquire()
+        run_dir_lock(tmp_path).acquire()
     first.release()
-    with RunDirLock(tmp_path):  # control: once released it can be taken again
+    with run_dir_lock(tmp_path):  # control: once released it can be taken again
         pass
 
 
@@ -34,7 +34,7 @@ def test_a_released_lock_is_free_though_a_forked_child_holds_its_descriptor(tmp_
     import multiprocessing
 
     context = multiprocessing.get_context("fork")
-    first = RunDirLock(tmp_path)
+    first = run_dir_lock(tmp_path)
     first.acquire()
     go = context.Event()
     child = context.Process(target=_hold_until_told, args=(go,))
@@ -42,14 +42,14 @@ def test_a_released_lock_is_free_though_a_forked_child_holds_its_descriptor(tmp_
     try:
         if release == "release":
             first.release()
-            with RunDirLock(tmp_path):
+            with run_dir_lock(tmp_path):
                 pass
         else:
             assert first._fd is not None
             os.close(first._fd)  # the lock goes with the child's copy only
             first._fd = None
             with pytest.raises(ConfigError, match="in use by another job"):
-                RunDirLock(tmp_path).acquire()
+                run_dir_lock(tmp_path).acquire()
     finally:
         go.set()
         child.join()

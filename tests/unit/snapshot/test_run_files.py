@@ -14,7 +14,7 @@ from ddpkit import _fs as run_files
 from ddpkit._errors import ConfigError
 from ddpkit.snapshot import _folders as folders
 from ddpkit.snapshot._disk import MARKER
-from ddpkit.snapshot._run_dir import RunDirLock, claim
+from ddpkit.snapshot._run_dir import claim, run_dir_lock
 from ddpkit.tracking._metrics import MetricsWriter
 
 VICTIM_TEXT = "a file of someone else's, outside the run directory\n"
@@ -40,10 +40,10 @@ def test_the_lock_is_not_taken_through_a_link(tmp_path, victim):
     with pytest.raises(
         ConfigError, match=r"\.lock' is a symbolic link \(to .*victim.txt'\).*Remove the link"
     ):
-        RunDirLock(tmp_path / "run").acquire()
+        run_dir_lock(tmp_path / "run").acquire()
     assert victim.read_text() == VICTIM_TEXT
     # Control: the same lock in a run directory without the link is taken, and names its holder.
-    with RunDirLock(tmp_path / "other") as lock:
+    with run_dir_lock(tmp_path / "other") as lock:
         assert json.loads((tmp_path / "other" / ".lock").read_text())["pid"] == os.getpid()
         assert lock.path.is_file() and not lock.path.is_symlink()
 

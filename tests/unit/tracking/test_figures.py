@@ -123,8 +123,8 @@ def _step_of_two(timings: StepTimings, marked: bool) -> tuple[dict[str, float], 
     """One step of two models, as a GAN's step function runs it: per model a backward that sleeps
     PAUSE before its gradients are ready (compute) and queues a wait of PAUSE after them, where DDP
     waits for its all-reduce (comm); then its optimizer step, which sleeps PAUSE (optimizer); then
-    PAUSE more of the step's own work (compute). ``marked``: the step's marks as ``ManualStep``
-    gives them; else only its start, as before. Returns the phases and the step's time."""
+    PAUSE more of the step's own work (compute). ``marked``: the step's marks as a ``step_fn``'s
+    step gives them; else only its start, as before. Returns the phases and the step's time."""
     from ddpkit._internals.compiler import at_backward_end
 
     def queue_the_wait(_grad: torch.Tensor) -> None:
@@ -157,7 +157,7 @@ def _step_of_two(timings: StepTimings, marked: bool) -> tuple[dict[str, float], 
 def test_a_step_of_several_optimizers_puts_each_wait_in_its_phase(marked):
     """Two backwards, two optimizer steps and the work between them: each PAUSE in its phase
     (compute 4, comm 2, optimizer 2), the phases together within the step's time. Control: the
-    step's start alone, as ``ManualStep`` marked it before, records no phase at all."""
+    step's start alone, as a ``step_fn``'s step marked it before, records no phase at all."""
     timings = StepTimings(nn.Linear(4, 1), torch.device("cpu"))
     seconds, total = _step_of_two(timings, marked)
     if not marked:

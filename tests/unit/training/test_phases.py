@@ -13,7 +13,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit._errors import ConfigError
-from ddpkit.snapshot._run_dir import RunDirLock
+from ddpkit.snapshot._run_dir import run_dir_lock
 from ddpkit.training._config import LoggingConfig, TrainerConfig
 
 X = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
@@ -82,10 +82,10 @@ def test_the_phases_of_a_process_share_the_run_directorys_lock_until_it_ends(tmp
     trainer(tmp_path, "teacher").fit()
     # still held once fit() returned: no other job takes the folder between two phases
     with pytest.raises(ConfigError, match="in use by another job"):
-        RunDirLock(tmp_path).acquire()
+        run_dir_lock(tmp_path).acquire()
     trainer(tmp_path, "student").fit()  # the next phase of the process goes on under it
     assert not (tmp_path / "teacher" / ".lock").exists()
     # Control: a run without phases lets go of its folder when fit() returns.
     trainer(tmp_path / "plain", None).fit()
-    with RunDirLock(tmp_path / "plain"):
+    with run_dir_lock(tmp_path / "plain"):
         pass
