@@ -610,6 +610,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ddpkit bench",
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # as run, sbatch, k8s and check: a script's own options follow
         description=__doc__,
         epilog=f"Your own training: a script defining {HOOK}() that returns (model, dataset, "
         "loss_fn, optimizer_factory) or a ddpkit.tools.Workload (batch_size per rank, "

@@ -4,6 +4,7 @@ script without submitting."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -347,3 +348,15 @@ def test_a_secret_file_that_is_not_a_regular_file_is_refused_at_once(tmp_path, k
     )
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and "--rdzv-secret-file" in lines[0], out.stderr
+
+
+@pytest.mark.parametrize("command", ["bench", "check"])
+def test_bench_and_check_refuse_an_abbreviated_option_as_run_does(capsys, no_measuring, command):
+    # A script's own options follow these commands' (`ddpkit bench train.py --npro 2` is the
+    # script's): an abbreviation would take one of them. Control: argparse's default reads
+    # `--npro` as `--nproc`.
+    code, out, err = ddpkit([command, "--npro", "2"], capsys)
+    assert code == 2 and "unrecognized arguments: --npro" in err and out == "", err
+    default = argparse.ArgumentParser()
+    default.add_argument("--nproc", type=int)
+    assert default.parse_args(["--npro", "2"]).nproc == 2
