@@ -178,13 +178,7 @@ def run_job(
     :class:`TimeoutError` is raised with the end of its output.
     """
     proc = start_job(
-        script,
-        *args,
-        nproc=nproc,
-        launcher_args=launcher_args,
-        command=command,
-        env=env,
-        cwd=cwd,
+        script, *args, nproc=nproc, launcher_args=launcher_args, command=command, env=env, cwd=cwd
     )
     argv = cast("list[str]", proc.args)
     try:
