@@ -78,13 +78,9 @@ def _check_value(owner: str, name: str, value: Any, hint: Any) -> None:
     shown = repr(value) if len(repr(value)) <= 40 else ""
     article = "an" if kind[0] in "aeiou" else "a"
     got = "None" if value is None else f"{article} {kind} {shown}".rstrip()
-    # a command line's value, not converted
-    hint_str = (
-        " (argparse gives strings: pass type=int or type=float)"
-        if isinstance(value, str) and ("int" in takes or "number" in takes)
-        else ""
-    )
-    raise ConfigError(f"{owner}({name}={value!r}): {name} takes {takes}, got {got}{hint_str}")
+    if isinstance(value, str) and ("int" in takes or "number" in takes):  # a command line's value
+        got += " (argparse gives strings: pass type=int or type=float)"
+    raise ConfigError(f"{owner}({name}={value!r}): {name} takes {takes}, got {got}")
 
 
 @functools.cache

@@ -22,7 +22,7 @@ import torch
 from ddpkit import platforms
 from ddpkit._launch.spawn import spawn
 from ddpkit.distributed import Group
-from ddpkit.distributed._collectives import all_gather_object
+from ddpkit.distributed._collectives import all_gather_object, tensor_bytes
 from ddpkit.distributed._runtime import get_runtime, init
 
 __all__ = [
@@ -61,16 +61,6 @@ def run_on_ranks(
     )
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    # Bytes, not values: a NaN equals the same NaN, -0.0 differs from 0.0 (torch.equal says the
-    # opposite).
-    return torch.equal(
-        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
-    )
-
-
 def _same_value(a: Any, b: Any) -> bool:
     if type(a) is not type(b):
         return False
@@ -85,7 +75,10 @@ def _same_value(a: Any, b: Any) -> bool:
 
 def _differences(a: Any, b: Any, path: str = "value") -> list[str]:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return [] if _same_bits(a, b) else [path]
+        # Bytes, not values: a NaN equals the same NaN, -0.0 differs from 0.0 (torch.equal says
+        # the opposite).
+        same = (a.shape, a.dtype) == (b.shape, b.dtype) and tensor_bytes(a) == tensor_bytes(b)
+        return [] if same else [path]
     if isinstance(a, Mapping) and isinstance(b, Mapping):
         if a.keys() != b.keys():
             return [f"{path} (keys)"]
@@ -185,13 +178,7 @@ def run_job(
     :class:`TimeoutError` is raised with the end of its output.
     """
     proc = start_job(
-        script,
-        *args,
-        nproc=nproc,
-        launcher_args=launcher_args,
-        command=command,
-        env=env,
-        cwd=cwd,
+        script, *args, nproc=nproc, launcher_args=launcher_args, command=command, env=env, cwd=cwd
     )
     argv = cast("list[str]", proc.args)
     try:

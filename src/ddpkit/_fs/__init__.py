@@ -35,19 +35,13 @@ def user_name(uid: int) -> str:
         return f"uid {uid}"
 
 
-def other_owner(st: os.stat_result) -> int | None:
-    """The owner's uid when it is not this process's user, else None."""
-    return st.st_uid if st.st_uid != os.geteuid() else None
-
-
 def _refuse_other_owner(
     st: os.stat_result, path: Path | str, what: str, kind: str = "folder"
 ) -> None:
     """Refuse ``path`` (a ``what`` in a ``kind`` the user names) when another user owns it."""
-    uid = other_owner(st)
-    if uid is None:
+    uid, me = st.st_uid, os.geteuid()
+    if uid == me:
         return
-    me = os.geteuid()
     owner, you = user_name(uid), user_name(me)
     raise ConfigError(
         f"{what + ' ' if what else ''}{str(path)!r} belongs to {owner} (uid {uid}), not to you "

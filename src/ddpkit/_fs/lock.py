@@ -78,18 +78,20 @@ class FolderLock:
         fs.make_dirs(self.path.parent)
         fd, held = take(self.path, wait=False)
         if not held:
-            holder = _read_holder(fd)
-            shared = fs.other_names(os.fstat(fd))
+            try:
+                info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+                holder = f"host {info['host']}, pid {info['pid']}, since {info['since']}"
+            except (ValueError, KeyError, OSError):
+                holder = "holder unknown: it has not written its name yet"
+            if fs.other_names(os.fstat(fd)):
+                holder += (
+                    f"; or a job of another folder whose {self.path.name} is this same file, as "
+                    "after cp -al"
+                )
             os.close(fd)
             raise ConfigError(
                 f"{self.what} {str(self.path.parent)!r} is in use by another {self.job} ({holder}"
-                + (
-                    f"; or a job of another folder whose {self.path.name} is this same file, as "
-                    "after cp -al"
-                    if shared
-                    else ""
-                )
-                + f"): {self.hazard}. Wait for it to end, or give this {self.user} another "
+                f"): {self.hazard}. Wait for it to end, or give this {self.user} another "
                 f"{self.what}"
             )
         # written once the lock is ours: a job that finds it locked reads a whole record
@@ -115,11 +117,3 @@ class FolderLock:
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
-
-
-def _read_holder(fd: int) -> str:
-    try:
-        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
-        return f"host {info['host']}, pid {info['pid']}, since {info['since']}"
-    except (ValueError, KeyError, OSError):
-        return "holder unknown: it has not written its name yet"

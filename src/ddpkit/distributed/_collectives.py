@@ -66,14 +66,10 @@ def main_first(local: bool = False, group: Group = None) -> Iterator[None]:
 def _flatten(values: Mapping[str, Any]) -> tuple[torch.Tensor, list[tuple[str, Any, torch.Size]]]:
     parts, layout = [], []
     for key, value in values.items():
-        t = (
-            value.detach()
-            if isinstance(value, torch.Tensor)
-            else torch.tensor(value, dtype=torch.float64)
-        )
-        layout.append((key, value, t.shape))
         # float64 keeps integer counts exact up to 2**53 and sums of float32 values without loss.
-        parts.append(t.reshape(-1).to("cpu", torch.float64))
+        t = torch.as_tensor(value, dtype=torch.float64, device="cpu").detach()
+        layout.append((key, value, t.shape))
+        parts.append(t.reshape(-1))
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64), layout
 
 
@@ -183,10 +179,6 @@ def tensor_bytes(tensor: torch.Tensor) -> bytes:
     return bytes(data)
 
 
-def _unpickled(payload: torch.Tensor) -> Any:
-    return pickle.loads(tensor_bytes(payload))
-
-
 def all_gather_object(obj: T, group: Group = None) -> list[T]:
     """Every rank's picklable ``obj``, in rank order, on every rank; without a process group,
     ``[obj]``."""
@@ -194,7 +186,7 @@ def all_gather_object(obj: T, group: Group = None) -> list[T]:
         return [obj]
     with _watched("all_gather_object", group):
         chunks = _all_gather_uneven(_pickled(obj, comm_device(group)), group)
-        return [_unpickled(chunk.cpu()) for chunk in chunks]
+        return [pickle.loads(tensor_bytes(chunk.cpu())) for chunk in chunks]
 
 
 def gather_object(obj: T, dst: int = 0, group: Group = None) -> list[T] | None:
@@ -241,7 +233,7 @@ def broadcast_object(obj: T, src: int = 0, group: Group = None) -> T:
         if payload is None:
             payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
         dist.broadcast(payload, src=global_src, group=group)
-        return obj if sender else _unpickled(payload.cpu())
+        return obj if sender else pickle.loads(tensor_bytes(payload.cpu()))
 
 
 class MetricSums:
@@ -264,11 +256,7 @@ class MetricSums:
                     f"metric {name!r}: give per-sample values as a tensor, or pass count="
                 )
             count = values.numel()
-        total = (
-            values.detach().double().sum()
-            if isinstance(values, torch.Tensor)
-            else torch.tensor(float(values), dtype=torch.float64)
-        )
+        total = torch.as_tensor(values, dtype=torch.float64).detach().sum()
         self.sums[name] = self.sums[name] + total if name in self.sums else total
         self.counts[name] = self.counts.get(name, 0) + int(count)
 

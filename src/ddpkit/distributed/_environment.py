@@ -21,19 +21,14 @@ MIN_TIMEOUT = 1.0
 _SECONDS = f"use a number of seconds from {MIN_TIMEOUT:.0f} to {MAX_TIMEOUT:.0f} (30 days)"
 
 
-def check_seconds(option: str, value: float) -> float:
-    """``value`` if it is a usable number of seconds for ``option``, else a ConfigError."""
-    if not (math.isfinite(value) and MIN_TIMEOUT <= value <= MAX_TIMEOUT):
-        raise ConfigError(f"{option} {value}: {_SECONDS}")
-    return value
-
-
 def parse_seconds(option: str, text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise ConfigError(f"{option} {text[:40]!r}: {_SECONDS}") from None
-    return check_seconds(option, value)
+    if not (math.isfinite(value) and MIN_TIMEOUT <= value <= MAX_TIMEOUT):
+        raise ConfigError(f"{option} {value}: {_SECONDS}")
+    return value
 
 
 def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:

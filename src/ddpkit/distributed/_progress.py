@@ -8,6 +8,7 @@ import functools
 import mmap
 import os
 import struct
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -110,8 +111,6 @@ def _open() -> bool:
         os.posix_fallocate(fd, 0, SIZE)
         _buf = mmap.mmap(fd, SIZE)
     except OSError as err:
-        import sys
-
         print(
             f"ddpkit: rank {rank} keeps no progress record ({err.strerror}: {folder}): the stall "
             "watch does not judge this job",

@@ -176,13 +176,17 @@ def _join(launch: LaunchEnv, backend: str, dev: torch.device, timeout: timedelta
         # reading the first one's addresses.
         _generation += 1
         _group_store = dist.PrefixStore(f"ddpkit/{_generation}", store)
+        # on NCCL, the rank's own GPU (with its index: torch.cuda.set_device() took it), where
+        # torch would pick one from LOCAL_RANK ("Duplicate GPU detected")
+        nccl = dev.type == "cuda" and "nccl" in backend
+        bound: dict[str, Any] = {"device_id": dev} if nccl else {}
         dist.init_process_group(
             backend,
             store=_group_store,
             rank=launch.rank,
             world_size=launch.world_size,
             timeout=timeout,
-            **bound_device(dev, backend),
+            **bound,
         )
     except (RuntimeError, dist.DistError) as err:
         raise _explain_init_error(err, launch) from err
@@ -191,18 +195,6 @@ def _join(launch: LaunchEnv, backend: str, dev: torch.device, timeout: timedelta
     # for scripts that do not call shutdown(); no barrier: at exit a peer may have failed
     atexit.register(_destroy)
     progress.collective_timeout(timeout.total_seconds())  # what the stall watch must beat
-
-
-def bound_device(dev: torch.device, backend: str) -> dict[str, Any]:
-    """``init_process_group``'s ``device_id`` for a rank on NCCL: its own GPU, where torch would
-    pick one from ``LOCAL_RANK`` ("Duplicate GPU detected"). Nothing on the CPU or gloo."""
-    if dev.type != "cuda" or "nccl" not in backend:
-        return {}
-    return {
-        "device_id": torch.device(
-            "cuda", dev.index if dev.index is not None else torch.cuda.current_device()
-        )
-    }
 
 
 def _rendezvous_store(launch: LaunchEnv, timeout: timedelta) -> Any:
@@ -317,25 +309,18 @@ def forget() -> None:
 def shutdown(*, wait_for_peers: bool = True) -> None:
     """Destroy the process group (if any) and forget the runtime; every rank calls it, and it
     returns once all have (``wait_for_peers=False``: a failed rank's peers may never come)."""
-    global _runtime
-    if wait_for_peers and dist.is_initialized() and _runtime is not None:
-        _store_barrier(_runtime.world_size)
+    # a bounded barrier through the store (docs/runtime.md: one over the group would race with
+    # the group's teardown)
+    size = _runtime.world_size if _runtime is not None else 1
+    if wait_for_peers and dist.is_initialized() and _group_store is not None and size > 1:
+        try:
+            with progress.collective("shutdown"):  # every rank waits here for the others
+                if _group_store.add("shutdown", 1) == size:
+                    _group_store.set("shutdown/all", "1")
+                _group_store.wait(["shutdown/all"], SHUTDOWN_BARRIER_TIMEOUT)
+        except (RuntimeError, dist.DistError):
+            pass  # a peer is gone or the store with it: nothing left to protect
     _destroy()
-
-
-def _store_barrier(world_size: int) -> None:
-    """Wait (bounded) until every rank has reached shutdown(), through the store (docs/runtime.md:
-    a barrier over the group would race with the group's teardown)."""
-    store = _group_store
-    if store is None or world_size < 2:
-        return
-    try:
-        with progress.collective("shutdown"):  # every rank waits here for the others
-            if store.add("shutdown", 1) == world_size:
-                store.set("shutdown/all", "1")
-            store.wait(["shutdown/all"], SHUTDOWN_BARRIER_TIMEOUT)
-    except (RuntimeError, dist.DistError):
-        pass  # a peer is gone or the store with it: nothing left to protect
 
 
 def _destroy(settle: bool = True) -> None:
