@@ -10,7 +10,6 @@ import math
 import os
 import re
 import socket
-import stat
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -179,15 +178,10 @@ def check_journal(path: Path) -> None:
     """Refuse a journal Optuna would fail to read (a bad record, more replay work than its budget,
     a record Optuna fails to replay), naming the file, the line and what is wrong."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO would block
+        fd = fs.open_fd(path, os.O_RDONLY | os.O_CLOEXEC)  # a regular file, never through a link
     except FileNotFoundError:
         return
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ConfigError(
-                f"the study's journal {path} is not a regular file: give the search another "
-                "search_dir"
-            )
         refuse_large_journal(path, os.fstat(fd).st_size)
         data = f.read()
     lines = data.split(b"\n")[:-1]  # whole lines only
