@@ -3,7 +3,9 @@ their replay, and the storage a study writes through. Imports without Optuna (th
 
 from __future__ import annotations
 
+import enum
 import importlib
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
@@ -104,13 +106,6 @@ def memory_journal(records: list[dict[str, Any]]) -> Any:
     return MemoryJournal()
 
 
-def study_storage(storage: Any) -> Any:
-    """The storage a study opened on ``storage`` writes through (Optuna's cache before an RDB)."""
-    import optuna
-
-    return optuna.storages.get_storage(storage)
-
-
 def _optuna() -> ModuleType | None:
     try:
         return importlib.import_module("optuna")
@@ -132,10 +127,9 @@ def _quiet(optuna: ModuleType) -> Iterator[None]:
 
 
 def _check_journal_operations() -> str | None:
-    if _optuna() is None:
+    optuna = _optuna()
+    if optuna is None:
         return None
-    import enum
-
     from optuna.storages.journal import JournalStorage
 
     try:
@@ -144,9 +138,6 @@ def _check_journal_operations() -> str | None:
         return "optuna.storages.journal._storage has no JournalOperation"
     if not issubclass(JournalOperation, enum.IntEnum):
         return "JournalOperation is no IntEnum"
-
-    import optuna
-
     records = memory_journal([])
     with _quiet(optuna):
         study = optuna.create_study(storage=JournalStorage(records))
@@ -169,8 +160,6 @@ def _check_study_storage() -> str | None:
     optuna = _optuna()
     if optuna is None:
         return None
-    import warnings
-
     from optuna.trial import TrialState, create_trial
 
     get_storage = getattr(optuna.storages, "get_storage", None)

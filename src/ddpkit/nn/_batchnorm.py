@@ -98,13 +98,12 @@ def convert_sync_batchnorm(
             process_group=process_group,
         )
         if module.affine:
-            with torch.no_grad():
-                out.weight = module.weight
-                out.bias = module.bias
-        if module.track_running_stats:
-            out.running_mean = module.running_mean
-            out.running_var = module.running_var
-            out.num_batches_tracked = module.num_batches_tracked
+            out.weight = module.weight
+            out.bias = module.bias
+        # None where the statistics are not tracked, as out's own
+        out.running_mean = module.running_mean
+        out.running_var = module.running_var
+        out.num_batches_tracked = module.num_batches_tracked
         out.train(module.training)
     for name, child in module.named_children():
         out.add_module(name, convert_sync_batchnorm(child, device, process_group))

@@ -113,8 +113,7 @@ class _Dropouts(TorchFunctionMode):
         if _layout is None:  # left on the stack by a block never left (a fork inherits it)
             return func(*args, **kwargs)
         if func is F.dropout or func in _CHANNELS:
-            names = ("input", "p", "training", "inplace")
-            got = dict(zip(names, args)) | kwargs
+            got = dict(zip(("input", "p", "training", "inplace"), args)) | kwargs
             p, training = float(got.get("p", 0.5)), bool(got.get("training", True))
             if training and p > 0:
                 out = _masked(got["input"], p, FUNCTIONAL, 0, channels=func in _CHANNELS)
@@ -191,29 +190,23 @@ class GlobalBatchDropout(nn.Dropout):
         return _masked(input, self.p, self.layer_id, self.batch_dim)
 
 
-def uncovered(module: nn.Module) -> list[str]:
-    """The submodules of ``module`` whose dropout global-batch dropout cannot reach, each with
-    what to change."""
-    found = []
+@checked_arguments
+def convert_dropout(module: nn.Module, batch_dim: int = 0) -> nn.Module:
+    """Replace every ``nn.Dropout`` in ``module`` by a :class:`GlobalBatchDropout` whose inputs hold
+    the samples at ``batch_dim`` (in place; returns it). Refused, naming each, where the module
+    holds a dropout global-batch dropout cannot reach."""
+    missed = []
     for name, m in module.named_modules():
         where = name or type(module).__name__
         if isinstance(m, nn.MultiheadAttention) and m.dropout > 0:
-            found.append(
+            missed.append(
                 f"{where} (nn.MultiheadAttention, dropout={m.dropout}: its attention dropout is "
                 f"drawn inside torch's attention kernel, per rank; set {where}.dropout = 0.0, the "
                 "layer's other dropouts are covered)"
             )
         elif isinstance(m, (nn.AlphaDropout, nn.FeatureAlphaDropout)) and m.p > 0:
-            found.append(f"{where} ({type(m).__name__}: use nn.Dropout)")
-    return found
-
-
-@checked_arguments
-def convert_dropout(module: nn.Module, batch_dim: int = 0) -> nn.Module:
-    """Replace every ``nn.Dropout`` in ``module`` by a :class:`GlobalBatchDropout` whose inputs hold
-    the samples at ``batch_dim`` (in place; returns it). Refused, naming each, where the module
-    holds a dropout global-batch dropout cannot reach (:func:`uncovered`)."""
-    if missed := uncovered(module):
+            missed.append(f"{where} ({type(m).__name__}: use nn.Dropout)")
+    if missed:
         raise ConfigError(
             "global-batch dropout cannot cover the dropout of " + "; ".join(missed) + "; or turn "
             "global_batch_dropout off"

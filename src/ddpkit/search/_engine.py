@@ -147,7 +147,17 @@ def search(
         if rt.is_main:
             write_results(study, trials_of(study, begun.search_id), config)
     except BaseException as err:
-        _name_a_machine_error_between_trials(err, config)
+        # an error of the machine met by the study's own writes, between trials: said in one line
+        machine = environment_error(err)
+        if machine is not None and not any(
+            "stopped by the machine" in note for note in getattr(err, "__notes__", ())
+        ):
+            _say(
+                err,
+                f"ddpkit search: the study's storage ({describe_storage(config)}) could not be "
+                f"written: {machine}. The search stops here; finished trials are kept, and it goes "
+                "on from them when started again once that is fixed",
+            )
         raise
     finally:
         if lock is not None:
@@ -192,7 +202,12 @@ def _search_on_groups(
                 trial.set_user_attr("error", error[-2000:])
             handle.study.tell(number, value if state == TrialState.COMPLETE else None, state=state)
             _progress(handle.study, cfg, begun.search_id, candidate, state, value, error)
-    _wait_for_every_group()
+    # groups end up to a candidate apart, past a collective's timeout: wait for every group's last
+    # candidate on a gloo group whose timeout is a day
+    if dist.is_initialized():
+        waiting = dist.new_group(backend="gloo", timeout=timedelta(days=1))
+        dist.barrier(group=waiting)
+        dist.destroy_process_group(waiting)
 
 
 def _run_candidate(
@@ -243,21 +258,6 @@ def _run_candidate(
     return state, value, None
 
 
-def _name_a_machine_error_between_trials(err: BaseException, cfg: SearchConfig) -> None:
-    """An error of the machine met by the study's own writes, between trials: said in one line."""
-    machine = environment_error(err)
-    if machine is None or any(
-        "stopped by the machine" in note for note in getattr(err, "__notes__", ())
-    ):
-        return
-    _say(
-        err,
-        f"ddpkit search: the study's storage ({describe_storage(cfg)}) could not be written: "
-        f"{machine}. The search stops here; finished trials are kept, and it goes on from them "
-        "when started again once that is fixed",
-    )
-
-
 def _say(err: BaseException, message: str) -> None:
     print(message, file=sys.stderr, flush=True)
     if hasattr(err, "add_note"):
@@ -286,16 +286,6 @@ def _progress(
         f"{finished}/{cfg.n_trials} finished, {best_text} | {candidate.params}",
         flush=True,
     )
-
-
-def _wait_for_every_group() -> None:
-    """Wait for every group's last candidate: groups end up to a candidate apart, past a
-    collective's timeout, so on a gloo group whose timeout is a day."""
-    if not dist.is_initialized():
-        return
-    waiting = dist.new_group(backend="gloo", timeout=timedelta(days=1))
-    dist.barrier(group=waiting)
-    dist.destroy_process_group(waiting)
 
 
 # -- errors of the machine -------------------------------------------------------------------------

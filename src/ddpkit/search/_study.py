@@ -10,7 +10,6 @@ import math
 import os
 import re
 import socket
-import stat
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from optuna.distributions import (
 )
 from optuna.samplers import BaseSampler, RandomSampler
 from optuna.search_space import IntersectionSearchSpace
-from optuna.storages.journal import JournalStorage
+from optuna.storages.journal import JournalFileBackend, JournalStorage
 from optuna.study import Study, StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
@@ -40,7 +39,6 @@ from ddpkit._internals.optuna_journal import (
     ReplayWork,
     journal_operations,
     memory_journal,
-    study_storage,
 )
 from ddpkit.distributed._seeding import mix_seed
 from ddpkit.search._config import SearchConfig
@@ -180,15 +178,10 @@ def check_journal(path: Path) -> None:
     """Refuse a journal Optuna would fail to read (a bad record, more replay work than its budget,
     a record Optuna fails to replay), naming the file, the line and what is wrong."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO would block
+        fd = fs.open_fd(path, os.O_RDONLY | os.O_CLOEXEC)  # a regular file, never through a link
     except FileNotFoundError:
         return
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ConfigError(
-                f"the study's journal {path} is not a regular file: give the search another "
-                "search_dir"
-            )
         refuse_large_journal(path, os.fstat(fd).st_size)
         data = f.read()
     lines = data.split(b"\n")[:-1]  # whole lines only
@@ -291,19 +284,6 @@ def new_pruner(cfg: SearchConfig) -> optuna.pruners.BasePruner:
     return pruners[cfg.pruner]()
 
 
-def open_storage(cfg: SearchConfig) -> optuna.storages.BaseStorage:
-    """The storage a study of this search writes through (Optuna's cache before an RDB)."""
-    if cfg.storage is None:
-        from optuna.storages.journal import JournalFileBackend
-
-        return study_storage(
-            JournalStorage(JournalFileBackend(str(Path(cfg.search_dir) / JOURNAL)))
-        )
-    return study_storage(
-        optuna.storages.RDBStorage(cfg.storage, engine_kwargs={"pool_pre_ping": True})
-    )
-
-
 @dataclass(frozen=True)
 class SearchStudy:
     """A study as a group's rank 0 holds it: the study, its storage, and its id there."""
@@ -323,23 +303,25 @@ def open_search_study(
 ) -> SearchStudy:
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # ddpkit prints its own progress
     try:
+        backend: optuna.storages.BaseStorage
         if cfg.storage is None:
             check_journal(Path(cfg.search_dir) / JOURNAL)
-        storage = open_storage(cfg)
+            backend = JournalStorage(JournalFileBackend(str(Path(cfg.search_dir) / JOURNAL)))
+        else:
+            backend = optuna.storages.RDBStorage(cfg.storage, engine_kwargs={"pool_pre_ping": True})
+        # what the study writes through (Optuna's cache before an RDB): created_trial writes there
+        storage = optuna.storages.get_storage(backend)
         sampler = new_sampler(cfg, distributions, group_index, start, search_id)
         if create:
-            study = optuna.create_study(
+            optuna.create_study(
                 study_name=cfg.study_name,
                 storage=storage,
-                sampler=sampler,
-                pruner=new_pruner(cfg),
                 direction=cfg.direction,
                 load_if_exists=True,
             )
-        else:
-            study = optuna.load_study(
-                study_name=cfg.study_name, storage=storage, sampler=sampler, pruner=new_pruner(cfg)
-            )
+        study = optuna.load_study(
+            study_name=cfg.study_name, storage=storage, sampler=sampler, pruner=new_pruner(cfg)
+        )
         return SearchStudy(study, storage, storage.get_study_id_from_name(cfg.study_name))
     except ConfigError:
         raise
@@ -488,10 +470,6 @@ class EvolutionSampler(BaseSampler):
         self._random = RandomSampler(seed=seed)
         self._space = IntersectionSearchSpace()
 
-    def reseed_rng(self) -> None:
-        self._rng = np.random.default_rng()
-        self._random.reseed_rng()
-
     def infer_relative_search_space(
         self, study: Study, trial: FrozenTrial
     ) -> dict[str, BaseDistribution]:
@@ -525,9 +503,9 @@ class EvolutionSampler(BaseSampler):
             )
         return child
 
-    def _tournament(self, ranked: Sequence[FrozenTrial], size: int = 2) -> FrozenTrial:
-        # ranked is best first: the lowest index among `size` draws wins.
-        return ranked[int(min(self._rng.integers(len(ranked), size=size)))]
+    def _tournament(self, ranked: Sequence[FrozenTrial]) -> FrozenTrial:
+        # ranked is best first: the lower index of two draws wins.
+        return ranked[int(min(self._rng.integers(len(ranked), size=2)))]
 
     def _mutate(self, value: Any, dist: BaseDistribution) -> Any:
         if isinstance(dist, CategoricalDistribution):
