@@ -7,6 +7,7 @@ import random
 from typing import Any
 
 import torch
+from torch.cuda import is_initialized as cuda_in_use  # whether this process initialised CUDA
 
 from ddpkit._errors import checked_arguments
 from ddpkit.distributed._runtime import Group, get_runtime
@@ -62,11 +63,6 @@ def _seed_all(seed: int) -> int:
         np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # also seeds every CUDA device
     return seed
-
-
-def cuda_in_use() -> bool:
-    """True when this process initialised CUDA (never initialising it itself)."""
-    return torch.cuda.is_initialized()
 
 
 def rng_state() -> dict[str, Any]:
