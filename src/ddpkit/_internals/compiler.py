@@ -3,6 +3,7 @@ engine's ``queue_callback`` and device threads, and the CPU's fused attention ke
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from typing import Any
@@ -90,9 +91,8 @@ _CPU_ATTENTION = (
 
 def cpu_attention_ops() -> tuple[Any, Any]:
     """The CPU's fused attention kernels: (forward, backward), None where this torch lacks one."""
-    aten = torch.ops.aten
-    forward, backward = (getattr(aten, name, None) for name in _CPU_ATTENTION)
-    return forward, backward
+    forward, backward = _CPU_ATTENTION
+    return getattr(torch.ops.aten, forward, None), getattr(torch.ops.aten, backward, None)
 
 
 def _check_cpu_attention() -> str | None:
@@ -108,12 +108,9 @@ def autograd_device_threads() -> bool:
     except OSError:
         return False
     for task in tasks:
-        try:
-            with open(f"/proc/self/task/{task}/comm") as f:
-                if f.read().startswith("pt_autograd"):
-                    return True
-        except OSError:
-            continue
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/comm") as f:
+            if f.read().startswith("pt_autograd"):
+                return True
     return False
 
 

@@ -22,8 +22,6 @@ def warn_once(internal: str, lost: str) -> None:
     warn_lost(internal, "torch", lost)
 
 
-# -- the agent -------------------------------------------------------------------------------------
-
 _AGENT_ADDS = (
     "what ddpkit adds to torchrun's agent (stack dumps after a failure, no restart after a "
     "pre-emption, the cleanup of what workers left)"
@@ -47,9 +45,8 @@ class HookedAgent(LocalElasticAgent):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        problem = _agent_hooks_problem()
-        self.hooked = problem is None
-        if problem is not None:
+        self.hooked = _agent_hooks_problem() is None
+        if not self.hooked:
             warn_once("torch's LocalElasticAgent._monitor_workers/_shutdown", _AGENT_ADDS)
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
@@ -79,17 +76,17 @@ class HookedAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: Any) -> Any:
         self._monitored = True
-        if self.hooked and self.intercept(worker_group):
+        if not self.hooked:
+            return super()._monitor_workers(worker_group)
+        if self.intercept(worker_group):
             from torch.distributed.elastic.agent.server.api import RunResult
 
             return RunResult(state=WorkerState.HEALTHY)
-        if self.hooked:
-            self.before_monitor(worker_group)
+        self.before_monitor(worker_group)
         result = super()._monitor_workers(worker_group)
-        if self.hooked:
-            if result.state == WorkerState.FAILED:
-                self._add_stopped(worker_group, result)
-            self.after_monitor(worker_group, result)
+        if result.state == WorkerState.FAILED:
+            self._add_stopped(worker_group, result)
+        self.after_monitor(worker_group, result)
         return result
 
     def _add_stopped(self, worker_group: Any, result: Any) -> None:
@@ -189,8 +186,7 @@ def _check_agent_state() -> str | None:
 def use_agent(launcher_api: Any, agent: type) -> None:
     """Have torchrun's ``launch_agent`` (of ``launcher_api``) build ``agent``, by swapping the
     module-level name it builds its agent by; where it no longer does, said once."""
-    problem = _check_launch_agent()
-    if problem is not None:
+    if _check_launch_agent() is not None:
         warn_once("torch's launcher.api.LocalElasticAgent", _AGENT_ADDS)
     launcher_api.LocalElasticAgent = agent
 
@@ -203,9 +199,6 @@ def _check_launch_agent() -> str | None:
     if "LocalElasticAgent(" not in inspect.getsource(api.launch_agent):
         return "launch_agent no longer builds its agent as LocalElasticAgent(...)"
     return None
-
-
-# -- the workers' processes ------------------------------------------------------------------------
 
 
 def record_with(handler: type) -> None:

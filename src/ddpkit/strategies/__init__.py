@@ -4,6 +4,7 @@ hand-written loop builds one with :func:`build_strategy`."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 
 from ddpkit._errors import ConfigError, checked_arguments
 from ddpkit.distributed._runtime import Runtime, get_runtime
-from ddpkit.strategies._base import GradientVerdict, Strategy, check_options, rebind_scheduler
+from ddpkit.strategies._base import GradientVerdict, Strategy, rebind_scheduler
 from ddpkit.strategies._ddp import DDPConfig, DDPStrategy, ZeroConfig, ZeroStrategy
 from ddpkit.strategies._fsdp import FSDPConfig, FSDPStrategy
 
@@ -43,7 +44,14 @@ def strategy_config(
         raise ConfigError(
             f"strategy={strategy!r} is not known: pick one of {', '.join(STRATEGIES)}"
         )
-    return check_options(STRATEGIES[strategy][0], strategy, dict(options or {}))
+    cls, options = STRATEGIES[strategy][0], dict(options or {})
+    valid = {f.name for f in dataclasses.fields(cls)}
+    if unknown := sorted(set(options) - valid):
+        raise ConfigError(
+            f"strategy {strategy!r} has no option {', '.join(map(repr, unknown))}: its options are "
+            f"{sorted(valid)}"
+        )
+    return cls(**options)
 
 
 @checked_arguments

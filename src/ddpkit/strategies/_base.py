@@ -5,7 +5,6 @@ every strategy (docs/strategies.md, "In a loop of your own")."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -90,18 +89,6 @@ class Strategy(Protocol):
         every strategy, so runs under different strategies compare key by key."""
 
 
-def check_options(cls: type, name: str, options: dict[str, Any]) -> Any:
-    """``cls(**options)``, with unknown options named along with the valid ones."""
-    valid = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(options) - valid)
-    if unknown:
-        raise ConfigError(
-            f"strategy {name!r} has no option {', '.join(map(repr, unknown))}: its options are "
-            f"{sorted(valid)}"
-        )
-    return cls(**options)
-
-
 def rebuild_optimizer(
     optimizer: torch.optim.Optimizer,
     params_by_name: dict[str, nn.Parameter],
@@ -157,17 +144,17 @@ def separate_own(state: dict[str, Any], model: nn.Module, ignored: Any = ()) -> 
     moved to its ``per_rank`` part: the model's buffers (BatchNorm's running statistics), and the
     parameters in ``ignored`` (DDP's ignored ones) with their optimizer state."""
     names = {name for name, _ in model.named_buffers()} | set(ignored)
-    shared_model, own_model = _partition(state["model"], lambda key: key in names)
     # flattened optimizer state: state.<param>.<key>
     prefixes = tuple(f"state.{name}." for name in ignored)
-    shared_optim, own_optim = _partition(
-        state.get("optim") or {}, lambda key: bool(prefixes) and key.startswith(prefixes)
-    )
+    model_state, optim = state["model"], state.get("optim") or {}
     return {
         **state,
-        "model": shared_model,
-        "optim": shared_optim,
-        PER_RANK: {"model": own_model, "optim": own_optim},
+        "model": {k: v for k, v in model_state.items() if k not in names},
+        "optim": {k: v for k, v in optim.items() if not k.startswith(prefixes)},
+        PER_RANK: {
+            "model": {k: v for k, v in model_state.items() if k in names},
+            "optim": {k: v for k, v in optim.items() if k.startswith(prefixes)},
+        },
     }
 
 
@@ -176,14 +163,11 @@ def made_up_state_cleared(optimizers: Any) -> Iterator[list[Any]]:
     """Around a read of torch's distributed state dict of ``optimizers`` (one, a list, or a dict by
     name): the state torch makes up for an optimizer that has not stepped (Adam's step count 1) is
     cleared again. Yields those optimizers' names (else positions): :data:`UNSTEPPED`."""
-    labelled = _labelled(optimizers)
-    unstepped = [label for label, opt in labelled if not opt.state]
+    unstepped = [label for label, opt in _labelled(optimizers) if not opt.state]
     try:
         yield unstepped
     finally:
-        for label, opt in labelled:
-            if label in unstepped:
-                opt.state.clear()
+        clear_unstepped(optimizers, {UNSTEPPED: unstepped})
 
 
 def state_options(**kwargs: Any) -> Any:
@@ -222,11 +206,9 @@ def _labelled(optimizers: Any) -> list[tuple[Any, Any]]:
     return [(i, opt) for i, opt in enumerate(listed) if opt is not None]
 
 
-@contextmanager
-def unstepped_cleared(optimizers: Any, state: dict[str, Any]) -> Iterator[None]:
-    """Around a load of ``state`` into ``optimizers``: the optimizers that had not stepped when it
+def clear_unstepped(optimizers: Any, state: dict[str, Any]) -> None:
+    """After a load of ``state`` into ``optimizers``: the optimizers that had not stepped when it
     was read (:data:`UNSTEPPED`) end with no state, as torch's load makes one up for each."""
-    yield
     unstepped = set(state.get(UNSTEPPED, ()))
     for label, opt in _labelled(optimizers):
         if label in unstepped:
@@ -242,14 +224,14 @@ def load_state(module: nn.Module, optimizers: Any, state: dict[str, Any]) -> Non
     if not listed:
         dsd.set_model_state_dict(module, state["model"], options=state_options())
         return
-    with unstepped_cleared(optimizers, state):
-        dsd.set_state_dict(
-            module,
-            listed,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-            options=state_options(),
-        )
+    dsd.set_state_dict(
+        module,
+        listed,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=state_options(),
+    )
+    clear_unstepped(optimizers, state)
 
 
 def join_own(state: dict[str, Any]) -> dict[str, Any]:
@@ -260,8 +242,3 @@ def join_own(state: dict[str, Any]) -> dict[str, Any]:
     joined["model"] = {**state["model"], **own.get("model", {})}
     joined["optim"] = {**(state.get("optim") or {}), **own.get("optim", {})}
     return joined
-
-
-def _partition(values: dict[str, Any], own: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    mine = {k: v for k, v in values.items() if own(k)}
-    return {k: v for k, v in values.items() if k not in mine}, mine

@@ -24,6 +24,7 @@ from ddpkit.distributed._runtime import Runtime
 from ddpkit.strategies._base import (
     UNSTEPPED,
     GradientVerdict,
+    clear_unstepped,
     join_own,
     load_state,
     made_up_state_cleared,
@@ -31,7 +32,6 @@ from ddpkit.strategies._base import (
     rebuild_optimizer,
     separate_own,
     state_options,
-    unstepped_cleared,
 )
 from ddpkit.strategies._prepare import GRADIENT_AS_BUCKET_VIEW, no_sync, prepare_model, unwrap
 
@@ -196,13 +196,9 @@ class FiniteCheck:
             self._flags[device] = (torch.zeros(1, device=device), torch.ones(1, device=device))
         flag, one = self._flags[device]
         try:
-            found = any_non_finite(group, flag, one)
-        except BaseException:
-            flag.zero_()  # a refused tensor may leave it set
-            raise
-        if found:
-            flag.zero_()
-        return found
+            return any_non_finite(group, flag, one)
+        finally:
+            flag.zero_()  # set by a find, or left set by a refused tensor
 
 
 def stepped_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -452,11 +448,10 @@ class ZeroStrategy(DDPStrategy):
         )
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        names = {id(p): n for n, p in unwrap(self.model).named_parameters()}
         zero = rebuild_optimizer(
             optimizer,
             dict(unwrap(self.model).named_parameters()),
-            names,
+            self._names,
             optimizer_class=ZeroRedundancyOptimizer,
             process_group=runtime.group,
             parameters_as_bucket_view=zero_config.parameters_as_bucket_view,
@@ -508,10 +503,10 @@ class ZeroStrategy(DDPStrategy):
 
         state = join_own(state)
         unwrap(self.model).load_state_dict(state["model"])
-        with unstepped_cleared(self.zero.optim, state):
-            set_optimizer_state_dict(
-                unwrap(self.model), self.zero.optim, state["optim"], options=state_options()
-            )
+        set_optimizer_state_dict(
+            unwrap(self.model), self.zero.optim, state["optim"], options=state_options()
+        )
+        clear_unstepped(self.zero.optim, state)
         for group, saved in zip(self.zero.param_groups, state["param_groups"], strict=True):
             group.update(saved)
         _copy_hyperparameters(self.zero.param_groups, self.zero.optim.param_groups)

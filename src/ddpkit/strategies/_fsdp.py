@@ -64,8 +64,6 @@ class FSDPConfig:
             value = getattr(self, name)
             if value is not None and value not in _DTYPES:
                 raise ConfigError(f"{name}={value!r}: pick one of {', '.join(_DTYPES)} or None")
-        if isinstance(self.shard_blocks, str):
-            self.shard_blocks = [self.shard_blocks]
 
     def mixed_precision(self) -> Any:
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -222,13 +220,10 @@ class FSDPStrategy:
         return read_state(self.model, self.optimizer)  # parameters and their state are DTensors
 
     def model_weights(self) -> dict[str, Any]:
-        """The whole model's weights on rank 0 of the group, on the CPU (collective: gathered from
-        the shards)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        return get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
+        options = state_options(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.model, options=options)
 
     def full_state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict

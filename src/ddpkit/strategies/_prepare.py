@@ -78,7 +78,13 @@ def prepare_model(
         model = DDP(model, device_ids=device_ids, process_group=process_group, **ddp_kwargs)
         reduce_in_rebuilt_buckets(model)
         keys_of_the_module(model)
-        mark_gradient_sync(model)
+        # under ``ddpkit run``, the end of each backward, where DDP waits for the gradients'
+        # all-reduce, is marked (``Phase.GRADIENT_SYNC``, for the stall watch)
+        node = accumulation_of_a_parameter(model)
+        if node is not None and marks.watched():
+            node.register_prehook(_accumulating)
+            # a leaf keeps its accumulation node only while something refers to it
+            _ACCUMULATION[model] = node
     if seed_ranks:  # after DDP's broadcast: the weights are rank 0's everywhere
         rank = rt.rank if process_group is rt.group else get_runtime(process_group).rank
         seed_rank(torch.initial_seed(), rank)
@@ -90,18 +96,6 @@ def rank_zeros(tensors: Iterable[torch.Tensor], group: Group) -> None:
     src = dist.get_global_rank(group, 0) if group is not None else 0
     for tensor in tensors:
         dist.broadcast(tensor.data, src, group=group)
-
-
-def mark_gradient_sync(ddp: DDP) -> None:
-    """Under ``ddpkit run``, mark the end of each backward through ``ddp``, where DDP waits for the
-    gradients' all-reduce (``Phase.GRADIENT_SYNC``, for the stall watch), by a hook on one
-    parameter's gradient accumulation (:func:`accumulation_of_a_parameter`)."""
-    node = accumulation_of_a_parameter(ddp)
-    if node is None or not marks.watched():
-        return
-    node.register_prehook(_accumulating)
-    # a leaf keeps its accumulation node only while something refers to it
-    _ACCUMULATION[ddp] = node
 
 
 _ACCUMULATION: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
@@ -166,16 +160,11 @@ def no_sync(model: nn.Module) -> AbstractContextManager[Any]:
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's module inside DDP (and ``torch.compile``) wrappers: what to save, load or
     evaluate."""
-    while True:
-        if isinstance(model, DDP):
-            inner = model.module
-        elif compiled_inner(model) is not None:  # torch.compile's OptimizedModule
-            inner = compiled_inner(model)
-        else:
-            return model
+    while (inner := model.module if isinstance(model, DDP) else compiled_inner(model)) is not None:
         # read through Module.__getattr__, typed Tensor | Module
         assert isinstance(inner, nn.Module)
         model = inner
+    return model
 
 
 class _Optimizers:

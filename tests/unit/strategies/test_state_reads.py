@@ -59,7 +59,7 @@ def test_a_resume_from_a_state_read_before_the_first_step_trains_as_an_uninterru
 
 
 def test_the_optimizers_that_had_not_stepped_are_named_and_cleared_by_name_in_any_order():
-    from ddpkit.strategies._base import UNSTEPPED, made_up_state_cleared, unstepped_cleared
+    from ddpkit.strategies._base import UNSTEPPED, clear_unstepped, made_up_state_cleared
 
     def with_unstepped(state, optimizers):
         with made_up_state_cleared(optimizers) as unstepped:
@@ -74,12 +74,10 @@ def test_the_optimizers_that_had_not_stepped_are_named_and_cleared_by_name_in_an
     # a resume whose dict lists them the other way round: g's made-up state goes, d's stays
     swapped = {"d": optimizers["d"], "g": optimizers["g"]}
     optimizers["g"].state[next(iter(g.parameters()))] = {"step": torch.tensor(1.0)}
-    with unstepped_cleared(swapped, state):
-        pass
+    clear_unstepped(swapped, state)
     assert not optimizers["g"].state and optimizers["d"].state
     # control: by position, the swapped order clears d, which had stepped, and keeps g's made-up one
     by_position = with_unstepped({}, list(optimizers.values()))
     optimizers["g"].state[next(iter(g.parameters()))] = {"step": torch.tensor(1.0)}
-    with unstepped_cleared(list(swapped.values()), by_position):
-        pass
+    clear_unstepped(list(swapped.values()), by_position)
     assert optimizers["g"].state and not optimizers["d"].state
