@@ -166,14 +166,18 @@ def test_the_run_key_is_the_run_directorys_absolute_path(tmp_path, monkeypatch):
 # -- the job's folder ------------------------------------------------------------------------------
 
 
-def test_the_job_folder_is_private_and_stale_folders_of_dead_agents_are_swept(
-    tmp_path, monkeypatch
-):
+@pytest.fixture
+def base(tmp_path, monkeypatch):
+    """This user's private folder of job folders under a fresh root, no job's variables set."""
     monkeypatch.setenv(mf.ROOT_ENV, str(tmp_path))
     for name in (mf.DIR_ENV, mf.KEY_ENV, mf.UNAVAILABLE_ENV):
         monkeypatch.delenv(name, raising=False)
     base = tmp_path / f"ddpkit-memory-{os.getuid()}"
     base.mkdir(mode=0o700)
+    return base
+
+
+def test_the_job_folder_is_private_and_stale_folders_of_dead_agents_are_swept(base):
     # A folder whose agent was SIGKILLed (the pid is dead), and one of a live agent (another job on
     # the node).
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -196,17 +200,10 @@ def test_the_job_folder_is_private_and_stale_folders_of_dead_agents_are_swept(
     assert not folder.exists() and mf.DIR_ENV not in os.environ
 
 
-def test_a_folder_another_agent_is_setting_up_is_not_swept_but_an_abandoned_one_is(
-    tmp_path, monkeypatch
-):
+def test_a_folder_another_agent_is_setting_up_is_not_swept_but_an_abandoned_one_is(base):
     # Two jobs start on one node: the other agent has made its ".<nonce>" folder and not yet
     # written its owner in it. Control: swept by the owner check alone, it is removed under the
     # other agent, whose memory snapshots are then off.
-    monkeypatch.setenv(mf.ROOT_ENV, str(tmp_path))
-    for name in (mf.DIR_ENV, mf.KEY_ENV, mf.UNAVAILABLE_ENV):
-        monkeypatch.delenv(name, raising=False)
-    base = tmp_path / f"ddpkit-memory-{os.getuid()}"
-    base.mkdir(mode=0o700)
     setting_up, abandoned = base / ".1111", base / ".2222"
     setting_up.mkdir()
     abandoned.mkdir()
