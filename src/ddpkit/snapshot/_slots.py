@@ -113,13 +113,16 @@ def open_job_folder(memory: bool = True) -> Path | None:
             raise FolderUnavailable(f"{root} does not exist")
         base = private_base(root)
         for stale in base.iterdir():  # the folders of agents that are gone
-            if not stale.is_dir() or stale.is_symlink() or _owner_alive(stale):
-                continue
-            # another agent's folder being set up (".<nonce>") has no owner yet: one whose setup
-            # died is left behind, swept once it is older than any setup takes
-            if stale.name.startswith(".") and time.time() - stale.stat().st_mtime < SETUP_SECONDS:
-                continue
-            fs.remove_tree(stale, root=base)
+            # another agent may rename or sweep one meanwhile: it is then not this agent's to sweep
+            with contextlib.suppress(FileNotFoundError):
+                if not stale.is_dir() or stale.is_symlink() or _owner_alive(stale):
+                    continue
+                # another agent's folder being set up (".<nonce>") has no owner yet: one whose
+                # setup died is left behind, swept once it is older than any setup takes
+                age = time.time() - stale.stat().st_mtime
+                if stale.name.startswith(".") and age < SETUP_SECONDS:
+                    continue
+                fs.remove_tree(stale, root=base)
         # renamed into place once its owner is written in it: a sweep never sees one without
         nonce = secrets.token_hex(8)
         tmp = base / f".{nonce}"

@@ -214,6 +214,23 @@ def test_a_folder_another_agent_is_setting_up_is_not_swept_but_an_abandoned_one_
     mf.close_job_folder()
 
 
+def test_a_folder_renamed_by_another_agent_during_the_sweep_is_passed_over(base, monkeypatch):
+    # The other agent renames its ".<nonce>" into place between this sweep's listing and its look
+    # at the folder. Control: the vanished folder's FileNotFoundError turned memory off.
+    moving = base / ".3333"
+    moving.mkdir()
+    owner_alive = mf._owner_alive
+
+    def renamed_meanwhile(folder):
+        if folder == moving:
+            moving.rename(base / "3333")
+        return owner_alive(folder)
+
+    monkeypatch.setattr(mf, "_owner_alive", renamed_meanwhile)
+    assert mf.open_job_folder() is not None and mf.UNAVAILABLE_ENV not in os.environ
+    mf.close_job_folder()
+
+
 def test_a_base_folder_open_to_others_is_refused_and_the_reason_kept(tmp_path, monkeypatch):
     monkeypatch.setenv(mf.ROOT_ENV, str(tmp_path))
     monkeypatch.delenv(mf.DIR_ENV, raising=False)
