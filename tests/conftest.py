@@ -119,6 +119,7 @@ DDPKIT_GLOBALS: dict[tuple[str, str], Any] = {
     ("ddpkit._launch.agent", "_answering"): None,
     ("ddpkit._launch.rendezvous.backend", "_jobs"): {},
     ("ddpkit._launch.rendezvous.backend", "_relays"): {},
+    ("ddpkit._launch.rendezvous.backend", "_in_place"): {},
     ("ddpkit._launch.forkserver", "_server"): None,
 }
 # hold_stop_signals() and the Trainer's stop_signals() install handlers for these in the process

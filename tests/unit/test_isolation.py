@@ -65,7 +65,7 @@ def test_leaves_every_global_set(tmp_path):
     script = tmp_path / "script.py"
     script.write_text("def ddpkit_workload(): ...")
     workload._load_script(str(script))
-    backend.register("run-1", backend.JobAccess(b"secret", None))
+    backend.register("run-1", backend.JobAccess(b"secret", None), recover.InPlace(tmp_path))
     backend._relays["run-1"] = []
     recover._links.append((99, "socket:[1]"))  # a group's links noted by a recovering worker
     spawn._store = object()  # rank 0's store server of ddpkit.spawn

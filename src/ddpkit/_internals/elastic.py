@@ -30,7 +30,7 @@ _AGENT_ADDS = (
 
 def _agent_hooks_problem() -> str | None:
     """Both hooks on torchrun's local agent; ``_monitor_workers`` taking the worker group."""
-    for name in ("_monitor_workers", "_shutdown"):
+    for name in ("_monitor_workers", "_shutdown", "_start_workers"):
         if not callable(getattr(LocalElasticAgent, name, None)):
             return f"LocalElasticAgent has no {name}"
     found = list(inspect.signature(LocalElasticAgent._monitor_workers).parameters)
@@ -74,6 +74,25 @@ class HookedAgent(LocalElasticAgent):
         """Called before each poll: True to answer it "healthy" without torchrun's look."""
         return False
 
+    def start_env(self, worker_group: Any) -> dict[str, str]:
+        """Called before the workers of an attempt start: variables they start with besides."""
+        return {}
+
+    def _start_workers(self, worker_group: Any) -> Any:
+        extra = self.start_env(worker_group)
+        os.environ.update(extra)
+        try:
+            return super()._start_workers(worker_group)
+        finally:
+            for name in extra:  # the next attempt's workers start without them
+                os.environ.pop(name, None)
+
+    def seen_running(self) -> bool:
+        """Called after :meth:`before_monitor`: True where :meth:`intercept`'s own look found every
+        worker running, to answer "healthy" without torchrun's look (which, seeing a worker that
+        exited in between first, would stop all the others)."""
+        return False
+
     def _monitor_workers(self, worker_group: Any) -> Any:
         self._monitored = True
         if not self.hooked:
@@ -83,6 +102,10 @@ class HookedAgent(LocalElasticAgent):
 
             return RunResult(state=WorkerState.HEALTHY)
         self.before_monitor(worker_group)
+        if self.seen_running():
+            from torch.distributed.elastic.agent.server.api import RunResult
+
+            return RunResult(state=WorkerState.HEALTHY)
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.FAILED:
             self._add_stopped(worker_group, result)
@@ -128,6 +151,10 @@ class HookedAgent(LocalElasticAgent):
     def use_restart(self) -> None:
         """Count one restart (a recovery in place) against ``--max-restarts``."""
         self._remaining_restarts = self.restarts_left() - 1
+
+    def restarts_from(self, used: int) -> None:
+        """Count ``used`` restarts as made (a node that joined after them)."""
+        self._remaining_restarts = int(self._worker_group.spec.max_restarts) - used
 
     def restarts_used(self) -> int:
         """Restarts so far: the workers' ``TORCHELASTIC_RESTART_COUNT``, as torchrun computes it."""

@@ -51,9 +51,11 @@ class Agent(HookedAgent):
         self._exits_of: int | None = None
         self._exit_seen: dict[int, int] = {}  # local rank -> the poll that first saw it exited
         self._whole_restart: int | None = None  # the attempt in-place recovery gave up on
+        self._running = False  # in place: this poll's own look found every worker running
         Agent.current = self
 
     def intercept(self, worker_group: Any) -> bool:
+        self._running = False
         attempt = id(self.process_context())
         if self.in_place is None or self._whole_restart == attempt:
             return False
@@ -62,7 +64,13 @@ class Agent(HookedAgent):
         if self.in_place.ended:  # torchrun takes this attempt over
             self.in_place.ended = False
             self._whole_restart = attempt
+            return False
+        # a worker that exits from here on is the next poll's failure, recovered in place
+        self._running = self.in_place.running
         return False
+
+    def seen_running(self) -> bool:
+        return self._running
 
     def stop_late(self, ranks: list[int], worker_group: Any, waited: float) -> None:
         """SIGKILL the workers of ``ranks``, which did not leave their step within ``waited``
@@ -80,9 +88,19 @@ class Agent(HookedAgent):
                 say(f"  {frame}")
         send([pids[r] for r in ranks], signal.SIGKILL)
 
-    def replace_worker(self, worker: Any, env: dict[str, str]) -> None:
-        super().replace_worker(worker, env)
-        self._watched = self._exits_of = self._stacks_asked = None  # the stall watch starts anew
+    def recovered(self) -> None:
+        """The workers went on after a recovery in place: the stall watch starts anew."""
+        self._watched = self._exits_of = self._stacks_asked = None
+
+    def start_env(self, worker_group: Any) -> dict[str, str]:
+        # a node taking a lost node's place: its workers start in the recovery, at its count
+        handler = worker_group.spec.rdzv_handler
+        joined = getattr(handler, "joined", None)
+        if joined is None or self.in_place is None:
+            return {}
+        handler.joined = None
+        self.restarts_from(joined.go["restart_count"])
+        return {recover.GO_ENV: str(self.in_place.joined(joined, worker_group.store))}
 
     def before_monitor(self, worker_group: Any) -> None:
         self._stacks_before_teardown(worker_group)
@@ -124,6 +142,8 @@ class Agent(HookedAgent):
                 self.where = self.watch.where()
             self.watch.disconnect()  # the other nodes no longer count this node's ranks
             self._published_to = None
+        if result.state == WorkerState.SUCCEEDED and self.in_place is not None:
+            self.in_place.finished()
         if not failed:
             return
         if preempted(result.failures):
@@ -370,6 +390,8 @@ def uninstall() -> None:
         signal.signal(sig, signal.SIG_IGN)
     forked.uninstall()
     Agent.current = None
+    if Agent.in_place is not None:
+        Agent.in_place.finished(succeeded=False)  # stops its beat
     Agent.in_place = None
     memory_folder.close_job_folder()
     os.environ.pop(watch.DIR_ENV, None)

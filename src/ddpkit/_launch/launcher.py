@@ -256,9 +256,10 @@ def launch(cfg: LaunchConfig) -> int:
     nproc = resolve_nproc(cfg.nproc, cfg.oversubscribe)
     access, node = job_access(cfg)
     run_id = rdzv_id(cfg)
-    backend.register(run_id, access)
-    proctree.become_subreaper()  # the orphans of the workers' children stay the agent's to end
     run_dir = prepare_workers(cfg, nproc, node)
+    in_place = in_place_recovery(cfg, run_dir, nproc)
+    backend.register(run_id, access, in_place)
+    proctree.become_subreaper()  # the orphans of the workers' children stay the agent's to end
     argv = torchrun_argv(cfg, nproc, str(run_dir), node)
     # the script's arguments set after parsing: torchrun would read `--log 5` as its --log-dir
     args = torchrun.parse_args(argv[: len(argv) - len(cfg.script_args)])
@@ -266,7 +267,6 @@ def launch(cfg: LaunchConfig) -> int:
     if hasattr(args, "signals_to_handle"):  # torchrun's SIGTERM handling would stop the workers
         args.signals_to_handle = agent.TORCHRUN_SIGNALS
     display = [cfg.script, *cfg.script_args]
-    in_place = in_place_recovery(cfg, run_dir)
     agent.install(
         launcher_api, cfg.uses_fork_server, cfg.preload, display, stall, run_dir, in_place
     )
@@ -294,7 +294,7 @@ def launch(cfg: LaunchConfig) -> int:
     return 0
 
 
-def in_place_recovery(cfg: LaunchConfig, run_dir: Path) -> recover.InPlace | None:
+def in_place_recovery(cfg: LaunchConfig, run_dir: Path, nproc: int = 1) -> recover.InPlace | None:
     """The agent's side of ``--recover in-place``, where it applies; else None."""
     if cfg.recover != "in-place":
         return None
@@ -303,12 +303,7 @@ def in_place_recovery(cfg: LaunchConfig, run_dir: Path) -> recover.InPlace | Non
             "--recover in-place recovers as many failures as --max-restarts allows: pass "
             "--max-restarts N (N >= 1)"
         )
-    if cfg.networked:
-        say(
-            "--recover in-place: it covers the workers of one node; a failure restarts every worker"
-        )
-        return None
-    return recover.prepare(run_dir)
+    return recover.prepare(run_dir, cfg.join_timeout, nproc)
 
 
 def collective_seconds(cfg: LaunchConfig) -> float:

@@ -353,7 +353,8 @@ OPTIONS = [
     argument("--recover", default="restart",
              help="after a failure, restart every worker (default), or in-place: the others keep "
              "their processes, a failed one is replaced, and every rank resumes from the copies "
-             "in memory (one node; counted in --max-restarts)"),
+             "in memory; across nodes a new node takes a lost one's place (counted in "
+             "--max-restarts)"),
     argument("--preempted-exit-code", type=int, default=PREEMPTED_EXIT_CODE,
              help=f"exit code after a stop signal and a snapshot (default {PREEMPTED_EXIT_CODE})"),
     argument("--log-dir", default="ddpkit-logs",

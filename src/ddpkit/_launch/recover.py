@@ -1,6 +1,7 @@
 """In-place recovery (``ddpkit run --recover in-place``, docs/recovery.md): the workers' side
 (:func:`leave`, :func:`sever`) and the agent's (:class:`InPlace`), which talk through files in
-``$DDPKIT_RECOVER_DIR``.
+``$DDPKIT_RECOVER_DIR``; across nodes, the agents talk through the rendezvous store
+(:class:`Nodes`), and a node that replaces a lost one takes its place there (:func:`join`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import socket
 import threading
 import time
 import traceback
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -33,6 +35,11 @@ LEAVE_TIMEOUT = 10.0
 killed and replaced (``$DDPKIT_RECOVER_TIMEOUT`` sets another)."""
 TIMEOUT_ENV = "DDPKIT_RECOVER_TIMEOUT"
 POLL = 0.005  # seconds between a waiting worker's looks at the folder
+BEAT = 0.1  # seconds between an agent's beats on the rendezvous store
+LOST_AFTER = 0.8
+"""Seconds without a beat after which a node's agent, and the node with it, counts as lost."""
+KEY = "ddpkit/recover/"  # on the rendezvous store outside any round: a new node knows no round
+GRACE = 5.0  # seconds more than a node's ranks get to leave, for its agent's word to arrive
 
 
 def folder() -> Path | None:
@@ -158,9 +165,7 @@ def leave(error: BaseException) -> dict[str, Any] | None:
     where = folder()
     if where is None or not _recoverable(error):
         return None
-    # one past the last ``go`` in the folder
-    done = [int(p.name[3:]) for p in where.glob("go-*") if p.name[3:].isdigit()]
-    generation = max(done, default=0) + 1
+    generation = last_recovery(where) + 1
     left = time.time()
     # the failed run's folder locks and locals (loader workers, model) go now, not when collected
     lock.release_all()
@@ -179,11 +184,23 @@ def leave(error: BaseException) -> dict[str, Any] | None:
     while True:
         if (found := _read_json(go)) is not None:
             os.environ[GO_ENV] = str(go)
-            os.environ.update(torchrun.attempt_env(found["restart_count"], found["master_port"]))
+            os.environ.update(
+                torchrun.attempt_env(
+                    found["restart_count"], found["master_addr"], found["master_port"]
+                )
+            )
             return found
         if end.exists():
             return None
         time.sleep(POLL)
+
+
+def last_recovery(where: Path) -> int:
+    """The last recovery the job's agent closed (went on or gave back), 0 before any."""
+    try:
+        return int(fs.read_bytes(where / "last") or b"0")
+    except (OSError, ConfigError, ValueError):
+        return 0
 
 
 def _recoverable(error: BaseException) -> bool:
@@ -204,12 +221,189 @@ class Incident:
     seen: float
     replaced: dict[int, int] = field(default_factory=dict)  # global rank -> exit code
     stopped: list[int] = field(default_factory=list)  # ranks killed for not leaving in time
+    reported: bool = False  # across nodes: this node's word is on the store
+    offered: float | None = None  # across nodes: when the decider offered the lost nodes' places
+    lost: set[int] | None = None  # across nodes: the nodes the decider found lost
+
+
+class Nodes:
+    """The agents of one job across nodes, meeting on its rendezvous store under :data:`KEY`.
+
+    Per rendezvous round R, each agent adds to ``beat/R/N`` every :data:`BEAT` seconds from a
+    thread of its own, and says its global ranks (``ranks/R/N``). A node whose count stands still
+    :data:`LOST_AFTER` seconds by the reader's clock, and that did not say its workers finished
+    (``done/R/N``), is lost; one that never beat is not judged. Recovery G: any agent raises
+    ``incident`` to G; each says what its ranks did (``G/node/N``); the first to have said it
+    decides (``G/decider``): it waits for every other node's word or loss, offers each lost node's
+    place (``vacant``) until a new node claims it (``G/claim/N``, :func:`join`), and serves the
+    workers' new store. Its go, or any agent's reason to give G back, is ``G/outcome``: the first
+    written stands, and every agent follows it.
+    """
+
+    _NONE = b"\0none"  # compare_set's answer for a missing key, when asked to expect it
+
+    def __init__(
+        self, store: Any, node: int = -1, nodes: int = 0, addr: str = "", round_name: str = ""
+    ) -> None:
+        """The agent of node ``node`` of ``nodes`` (it beats from now on), or a reader (-1)."""
+        self.store, self.node, self.nodes, self.addr = store, node, nodes, addr
+        self.round = round_name
+        self._beats: dict[int, tuple[bytes, float]] = {}  # node -> (count, since)
+        self._stop = threading.Event()
+        if node >= 0:
+            threading.Thread(target=self._beat, name="ddpkit-beat", daemon=True).start()
+
+    def _beat(self) -> None:
+        key, store = f"{KEY}beat/{self.round}/{self.node}", None
+        while not self._stop.is_set():
+            try:
+                # a connection of its own: a slow read of the agent's never holds a beat back
+                store = store or self.store.clone()
+                store.add(key, 1)
+            except Exception:  # noqa: BLE001  (a broken connection: a new one at the next beat)
+                store = None
+            self._stop.wait(BEAT)
+
+    def close(self, finished: bool = False) -> None:
+        """Stop beating; ``finished``: this node's workers succeeded (not lost when still)."""
+        if finished:
+            with contextlib.suppress(Exception):
+                self.put(f"done/{self.round}/{self.node}", "1")
+        self._stop.set()
+
+    def read(self, key: str) -> bytes | None:
+        """The value of ``key``, None where unset: one round trip, never a wait."""
+        value = self.store.compare_set(KEY + key, self._NONE, self._NONE)
+        return None if value == self._NONE else value
+
+    def read_json(self, key: str) -> Any:
+        value = self.read(key)
+        return json.loads(value) if value is not None else None
+
+    def put(self, key: str, value: Any) -> None:
+        self.store.set(KEY + key, value if isinstance(value, str) else json.dumps(value))
+
+    def first(self, key: str, value: str) -> bool:
+        """Set ``key`` to ``value`` where unset; whether it holds ``value`` now."""
+        return self.store.compare_set(KEY + key, "", value) == value.encode()
+
+    def incident(self) -> int:
+        """The newest recovery any node raised, 0 before any."""
+        return int(self.read("incident") or b"0")
+
+    def outcome(self, generation: int) -> dict[str, Any] | None:
+        """Recovery ``generation``'s outcome, ``{"go": record}`` or ``{"end": why}``; None yet."""
+        return self.read_json(f"{generation}/outcome")
+
+    def settle(self, generation: int, outcome: dict[str, Any]) -> dict[str, Any]:
+        """``outcome`` for recovery ``generation`` where none was written; the one that stands."""
+        text = json.dumps(outcome)
+        found = self.store.compare_set(f"{KEY}{generation}/outcome", "", text)
+        return json.loads(found)
+
+    def closed(self) -> int:
+        """The newest recovery the nodes closed (went on or gave back), 0 before any."""
+        g = self.incident()
+        return g if not g or self.outcome(g) is not None else g - 1
+
+    def raise_incident(self, generation: int) -> None:
+        current = self.read("incident")
+        if current is None or int(current) < generation:
+            self.store.compare_set(KEY + "incident", current or "", str(generation))
+
+    def lost(self, among: Iterable[int]) -> set[int]:
+        """The nodes of ``among`` whose beat has stood still :data:`LOST_AFTER` seconds by this
+        reader's clock (from its first look at least), and that did not finish."""
+        now, out = time.monotonic(), set[int]()
+        for node in among:
+            count = self.read(f"beat/{self.round}/{node}")
+            if count is None:  # not started yet: no verdict
+                continue
+            last = self._beats.get(node)
+            if last is None or last[0] != count:
+                self._beats[node] = (count, now)
+            elif now - last[1] > LOST_AFTER and not self.finished(node):
+                out.add(node)
+        return out
+
+    def finished(self, node: int) -> bool:
+        """Whether ``node`` said its workers succeeded."""
+        return self.read(f"done/{self.round}/{node}") is not None
+
+    def forget(self, nodes: Iterable[int]) -> None:
+        """Judge ``nodes`` afresh: their beats are read from the next look on."""
+        for node in nodes:
+            self._beats.pop(node, None)
+
+    def neighbour_lost(self) -> bool:
+        """Whether the next node is lost: each node watches one, every node is watched."""
+        return bool(self.lost([(self.node + 1) % self.nodes]))
+
+
+@dataclass
+class Joined:
+    """A lost node's place taken by a new node: recovery ``go``'s record, the round's store name,
+    and this node's link to the others (beating since its claim)."""
+
+    node: int
+    nodes: int
+    round_name: str
+    go: dict[str, Any]
+    link: Nodes
+
+
+def join(store: Any, addr: str, nproc: int, wait: float, join_timeout: float) -> Joined | None:
+    """For a node of ``nproc`` workers starting in a job that recovers in place: the place of a
+    lost node, claimed, once the job's agents say go; None where no place is open (or none opens
+    within ``wait`` seconds of a recovery under way): torch's rendezvous follows."""
+    link = Nodes(store)  # a reader: the agent beats once it has a place
+    deadline = time.monotonic() + wait
+    while True:
+        generation = link.incident()
+        if not generation or link.outcome(generation) is not None:
+            return None  # no recovery under way
+        vacant = link.read_json("vacant")
+        if vacant is not None and vacant["recovery"] == generation:
+            break
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+    place = None
+    for n in vacant["nodes"]:
+        ranks = link.read_json(f"ranks/{vacant['round']}/{n}") or []
+        if len(ranks) != nproc:
+            say(f"not taking the place of lost node {n}: it ran {len(ranks)} worker(s), this "
+                f"node {nproc} (--nproc)")  # fmt: skip
+        elif link.first(f"{generation}/claim/{n}", addr):
+            place = n
+            break
+    if place is None:
+        return None  # every place taken by another new node, or of another size
+    say(f"taking the place of lost node {place} (recovery {generation})")
+    # beating from now: the others must not count the place lost again while this node starts
+    mine = Nodes(store, place, vacant["size"], addr, vacant["round"])
+    deadline = time.monotonic() + join_timeout
+    while time.monotonic() < deadline:
+        outcome = link.outcome(generation)
+        if outcome is not None and "go" in outcome:
+            return Joined(place, vacant["size"], vacant["round"], outcome["go"], mine)
+        if outcome is not None:
+            break
+        time.sleep(0.02)
+    mine.close()
+    return None
 
 
 class InPlace:
     """The agent's side: polled before torchrun's look at the workers (:meth:`poll`)."""
 
-    def __init__(self, where: Path, timeout: float = LEAVE_TIMEOUT) -> None:
+    def __init__(
+        self,
+        where: Path,
+        timeout: float = LEAVE_TIMEOUT,
+        join_timeout: float = 120.0,
+        nproc: int = 1,
+    ) -> None:
         self.folder = where
         self.incident: Incident | None = None
         self.generation = 0
@@ -218,38 +412,63 @@ class InPlace:
         self.ended = False
         """Set when an incident ends without recovery: torchrun takes the attempt over."""
         self.timeout = timeout
+        self.join_timeout = join_timeout  # seconds a lost node's place is offered
+        self.nproc = nproc  # this node's workers
         self.store: Any = None  # the workers' store after a recovery, served by the agent
+        self.nodes: Nodes | None = None  # across nodes: the other agents
+        self._nodes_of: Any = None  # the round store ``nodes`` was made for
+        self.running = False  # the last poll found every worker running
+        self.replaced = False
+        """Set when this node was counted lost and a new node took its place: its agent ends."""
 
     def poll(self, agent: Any, group: Any) -> bool:
         """True while a failure is recovered in place: torchrun must not look at the workers."""
         processes = agent.worker_processes()
         codes = {w.global_rank: processes[w.local_rank].poll() for w in group.workers}
+        self.running = all(c is None for c in codes.values())
         waiting = self._waiting()
+        link = self._link(group)
         if self.incident is None:
             failed = {r for r, c in codes.items() if c not in (None, 0)}
-            if not failed and not waiting:
+            remote = link is not None and (
+                link.incident() > self.generation or link.neighbour_lost()
+            )
+            if not failed and not waiting and not remote:
                 return False
             self.incident = Incident(self.generation + 1, time.time())
             self.fallback = ""
             fs.write_atomic(self.folder / "incident", str(self.incident.generation).encode())
+            if link is not None:
+                link.raise_incident(self.incident.generation)
         incident = self.incident
-        why = self._why_not(codes, agent)
-        if why:  # the waiting ranks fail as without the option; torchrun takes over
-            self.fallback, self.ended = why, True
-            fs.write_atomic(self.folder / f"end-{incident.generation}", why.encode())
-            self._close_incident()
-            return False
-        exited = {r: c for r, c in codes.items() if c is not None}
-        if set(exited) | set(waiting) != set(codes):
-            late = sorted(set(codes) - set(exited) - set(waiting) - set(incident.stopped))
-            if late and time.time() - incident.seen > self.timeout:
-                # Its state is in memory like the others': it is replaced, not waited for.
-                incident.stopped += late
-                agent.stop_late(late, group, self.timeout)
+        outcome = link.outcome(incident.generation) if link is not None else None
+        if outcome is None:
+            why = self._why_not(codes, agent)
+            exited = {r: c for r, c in codes.items() if c is not None}
+            if not why and set(exited) | set(waiting) != set(codes):
+                late = sorted(set(codes) - set(exited) - set(waiting) - set(incident.stopped))
+                if late and time.time() - incident.seen > self.timeout:
+                    # Its state is in memory like the others': it is replaced, not waited for.
+                    incident.stopped += late
+                    agent.stop_late(late, group, self.timeout)
+                return True
+            if why:
+                outcome = {"end": why}
+                if link is not None:
+                    outcome = link.settle(incident.generation, outcome)
+            else:
+                incident.replaced = exited
+                if link is None:
+                    outcome = {"go": self._decide(agent, waiting)}
+                else:
+                    outcome = self._across(link, agent, waiting)
+                    if outcome is None:
+                        return True
+        if "go" in outcome and self._go(agent, group, waiting, outcome["go"]):
             return True
-        incident.replaced = exited
-        self._go(agent, group, waiting)
-        return True
+        # the waiting ranks fail as without the option; torchrun takes over
+        self._end(outcome.get("end") or self.fallback)
+        return False
 
     def _why_not(self, codes: dict[int, int | None], agent: Any) -> str:
         if any(c == PREEMPTED_EXIT_CODE for c in codes.values()):
@@ -262,45 +481,195 @@ class InPlace:
             return "the stall watch ended the attempt"
         return ""
 
+    def _link(self, group: Any) -> Nodes | None:
+        """The other agents, across nodes, for this round of the rendezvous; None on one node."""
+        handler = getattr(getattr(group, "spec", None), "rdzv_handler", None)
+        base = getattr(handler, "base", None)
+        if handler is None or base is None or (getattr(group, "group_world_size", 1) or 1) < 2:
+            return None
+        if self._nodes_of is not group.store:
+            if self.nodes is not None:
+                self.nodes.close()
+            self._nodes_of = group.store
+            self.nodes = Nodes(
+                base, group.group_rank, group.group_world_size, handler.addr, handler.round_name
+            )
+            self.nodes.put(
+                f"ranks/{handler.round_name}/{group.group_rank}",
+                [w.global_rank for w in group.workers],
+            )
+        return self.nodes
+
+    def adopt(self, generation: int) -> None:
+        """Count recoveries on from ``generation`` (the job's last, closed): the workers' too."""
+        self.generation = generation
+        fs.write_atomic(self.folder / "last", str(generation).encode())
+
+    def joined(self, place: Joined, round_store: Any) -> Path:
+        """A new node's start in a lost node's place (``round_store``: the round's store torch
+        was given): its go record, for its workers."""
+        self.nodes, self._nodes_of = place.link, round_store
+        self.adopt(place.go["recovery"])
+        path = self.folder / f"go-{place.go['recovery']}"
+        fs.write_atomic(path, json.dumps(place.go).encode())
+        return path
+
+    def finished(self, succeeded: bool = True) -> None:
+        """This node's agent stops beating; ``succeeded``: its workers did, and its silence from
+        now on is not a loss."""
+        if self.nodes is not None:
+            self.nodes.close(finished=succeeded)
+            self.nodes = self._nodes_of = None
+
     def _waiting(self) -> dict[int, dict[str, Any]]:
         paths = self.folder.glob(f"wait-{self.generation + 1}.*")
         return {int(r["rank"]): r for r in map(_read_json, paths) if r is not None}
 
     def _close_incident(self) -> None:
         assert self.incident is not None
-        self.generation = self.incident.generation
+        self.adopt(self.incident.generation)
         with contextlib.suppress(OSError, ConfigError):
             fs.remove(self.folder / "incident")
         self.incident = None
 
-    def _go(self, agent: Any, group: Any, waiting: dict[int, dict[str, Any]]) -> None:
+    def _end(self, why: str) -> None:
+        """The incident given back: the waiting ranks fail with ``why``, as without the option."""
+        assert self.incident is not None
+        self.fallback, self.ended = why, True
+        fs.write_atomic(self.folder / f"end-{self.incident.generation}", why.encode())
+        self._close_incident()
+
+    def _decide(self, agent: Any, waiting: dict[int, dict[str, Any]]) -> dict[str, Any]:
+        """One node: the go record, with the workers' new store served here."""
         assert self.incident is not None
         incident = self.incident
-        agent.use_restart()
-        restart_count = agent.restarts_used()
-        by_rank = {w.global_rank: w for w in group.workers}
-        go = {
-            "recovery": incident.generation,
-            "restart_count": restart_count,
-            "replaced": sorted(incident.replaced),
-            # the failure's first sign: the agent's look, or a rank's leaving before it
-            "seen": min([incident.seen] + [r["left"] for r in waiting.values()]),
-            "left": max((r["torn_down"] for r in waiting.values()), default=incident.seen),
-            "decided": time.time(),
-        }
-        # a fresh store (the old one holds the old groups' keys, its server may be the lost rank),
-        # on the workers' MASTER_ADDR alone; the last one this agent served ends now
-        from ddpkit._internals.store import serve_new_store
-
         address = torchrun.master_address(agent.process_context().envs[0])
         host = address[0] if address else "127.0.0.1"
-        self.store, go["master_port"] = serve_new_store(host, timedelta(minutes=5))
+        return self._go_record(agent, host, sorted(incident.replaced), [], self._times(waiting))
+
+    def _times(self, waiting: dict[int, dict[str, Any]]) -> list[dict[str, float]]:
+        """When this node saw the failure, and when each of its ranks left and tore down."""
+        assert self.incident is not None
+        seen = self.incident.seen
+        return [
+            {"seen": seen, "left": r["left"], "torn_down": r["torn_down"]} for r in waiting.values()
+        ] or [{"seen": seen}]
+
+    def _go_record(
+        self, agent: Any, host: str, replaced: list[int], lost: list[int], times: list[dict]
+    ) -> dict[str, Any]:
+        """The go record of the incident: a fresh store for the workers (the old one holds the old
+        groups' keys, its server may be lost) served on ``host``; the last one served ends."""
+        from ddpkit._internals.store import serve_new_store
+
+        assert self.incident is not None
+        self.store, port = serve_new_store(host, timedelta(minutes=5))
+        return {
+            "recovery": self.incident.generation,
+            "restart_count": agent.restarts_used() + 1,
+            "replaced": replaced,
+            "lost_nodes": lost,
+            # the failure's first sign: an agent's look, or a rank's leaving before it
+            "seen": min(min(t["seen"], t.get("left", t["seen"])) for t in times),
+            "left": max(t.get("torn_down", t["seen"]) for t in times),
+            "decided": time.time(),
+            "master_addr": host,
+            "master_port": port,
+        }
+
+    def _across(
+        self, link: Nodes, agent: Any, waiting: dict[int, dict[str, Any]]
+    ) -> dict[str, Any] | None:
+        """Across nodes: the outcome that stands once there is one, or None (wait)."""
+        assert self.incident is not None
+        incident = self.incident
+        g = incident.generation
+        if not incident.reported:
+            link.put(f"{g}/node/{link.node}", {
+                "exited": sorted(incident.replaced), "times": self._times(waiting),
+            })  # fmt: skip
+            incident.reported = True
+        link.first(f"{g}/decider", str(link.node))
+        decider = int(link.read(f"{g}/decider") or b"-1")
+        waited = time.time() - incident.seen
+        if decider != link.node:
+            if link.lost([decider]):
+                return link.settle(g, {"end": f"node {decider}, deciding the recovery, was lost"})
+            if waited > self.timeout + LOST_AFTER + self.join_timeout + GRACE:
+                return link.settle(
+                    g, {"end": f"no word from node {decider}, deciding the recovery"}
+                )
+            return None
+        reports = {n: link.read_json(f"{g}/node/{n}") for n in range(link.nodes)}
+        if incident.lost is None:
+            missing = {n for n, r in reports.items() if r is None}
+            if done := sorted(n for n in missing if link.finished(n)):
+                return link.settle(g, {"end": f"node(s) {_listed(done)} had already finished"})
+            found = link.lost(missing)
+            if missing - found:
+                if waited > self.timeout + LOST_AFTER + GRACE:
+                    late = _listed(sorted(missing - found))
+                    return link.settle(g, {"end": f"node(s) {late} did not say what their ranks "
+                                                  f"did within {waited:.0f} s"})  # fmt: skip
+                return None
+            incident.lost = found
+        lost = incident.lost
+        for n in sorted(lost):
+            # a node counted lost that speaks after all keeps its place, where none claimed it
+            if reports[n] is not None and link.first(f"{g}/claim/{n}", "-"):
+                lost.discard(n)
+        if lost:
+            if incident.offered is None:
+                incident.offered = time.monotonic()
+                link.put("vacant", {"recovery": g, "nodes": sorted(lost), "size": link.nodes,
+                                    "round": link.round})  # fmt: skip
+                say(
+                    f"node(s) {_listed(sorted(lost))} lost (no beat for {LOST_AFTER:g} s): start "
+                    f"the same ddpkit run command on a new node to take its place (waiting "
+                    f"{self.join_timeout:g} s, --join-timeout)"
+                )
+            if any(link.read(f"{g}/claim/{n}") is None for n in lost):
+                if time.monotonic() - incident.offered > self.join_timeout:
+                    return link.settle(g, {"end": f"no new node took the place of lost node(s) "
+                                                  f"{_listed(sorted(lost))} within --join-timeout "
+                                                  f"({self.join_timeout:g} s)"})  # fmt: skip
+                return None
+        replaced = {r for rep in reports.values() if rep is not None for r in rep["exited"]}
+        replaced.update(r for n in lost for r in link.read_json(f"ranks/{link.round}/{n}") or [])
+        times = [t for rep in reports.values() if rep is not None for t in rep["times"]]
+        go = self._go_record(agent, link.addr, sorted(replaced), sorted(lost), times)
+        outcome = link.settle(g, {"go": go})
+        if "go" not in outcome:
+            self.store = None  # given back meanwhile: the store served for it ends
+        return outcome
+
+    def _go(
+        self, agent: Any, group: Any, waiting: dict[int, dict[str, Any]], go: dict[str, Any]
+    ) -> bool:
+        """Go on after the incident by ``go``; False where this node was replaced instead."""
+        assert self.incident is not None
+        incident = self.incident
+        if self.nodes is not None and self.nodes.node in go["lost_nodes"]:
+            # counted lost while alive (its beat stood still): a new node has its place, and
+            # this node's ranks end; its agent ends the job here, leaving the rendezvous open
+            self.fallback = (
+                f"this node was counted lost (no beat for {LOST_AFTER:g} s) and replaced"
+            )
+            self.replaced = True
+            agent.stop_restarting()
+            self.nodes.close()  # its beat is the new node's now
+            self.nodes = None
+            return False
+        agent.use_restart()
+        if self.nodes is not None:
+            self.nodes.forget(go["lost_nodes"])  # their new nodes' beats count from now
+        by_rank = {w.global_rank: w for w in group.workers}
         path = self.folder / f"go-{incident.generation}"
         fs.write_atomic(path, json.dumps(go).encode())  # before a replacement can look for it
+        env = torchrun.attempt_env(go["restart_count"], go["master_addr"], go["master_port"])
         for rank in incident.replaced:
-            agent.replace_worker(by_rank[rank], {
-                GO_ENV: str(path), **torchrun.attempt_env(restart_count, go["master_port"]),
-            })  # fmt: skip
+            agent.replace_worker(by_rank[rank], {GO_ENV: str(path), **env})
+        agent.recovered()
         from ddpkit._launch.launcher import signal_name  # the launcher imports this module
 
         kinds = [
@@ -309,15 +678,22 @@ class InPlace:
         ]
         kept = sorted(waiting)
         done = [f"replaced {', '.join(kinds)}"] if kinds else []
-        done += [f"rank(s) {', '.join(map(str, kept))} go on in their processes"] if kept else []
+        if go["lost_nodes"]:
+            done += [f"lost node(s) {_listed(go['lost_nodes'])} replaced by new ones"]
+        done += [f"rank(s) {_listed(kept)} go on in their processes"] if kept else []
         say(
             f"recovering in place (recovery {incident.generation}, "
             f"{agent.restarts_left()} restart(s) left): {'; '.join(done)}"
         )
         self._close_incident()
+        return True
 
 
-def prepare(run_dir: Path) -> InPlace:
+def _listed(numbers: Iterable[int]) -> str:
+    return ", ".join(map(str, numbers))
+
+
+def prepare(run_dir: Path, join_timeout: float = 120.0, nproc: int = 1) -> InPlace:
     """The agent's side, its folder made in ``run_dir`` and its path set for the workers."""
     from ddpkit.distributed._environment import parse_seconds
 
@@ -326,4 +702,4 @@ def prepare(run_dir: Path) -> InPlace:
     where = run_dir / "recover"
     fs.make_dirs(where, root=run_dir)
     os.environ[DIR_ENV] = str(where)
-    return InPlace(where, timeout)
+    return InPlace(where, timeout, join_timeout, nproc)

@@ -73,9 +73,14 @@ def master_address(env: Mapping[str, str]) -> tuple[str, str] | None:
     return (addr, port) if addr and port.isdigit() else None
 
 
-def attempt_env(restart_count: int, master_port: int) -> dict[str, str]:
-    """The variables that change for an attempt started in place: its count and the store's port."""
-    return {"TORCHELASTIC_RESTART_COUNT": str(restart_count), "MASTER_PORT": str(master_port)}
+def attempt_env(restart_count: int, master_addr: str, master_port: int) -> dict[str, str]:
+    """The variables that change for an attempt started in place: its count and the store's
+    address."""
+    return {
+        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+    }
 
 
 def rank_text(env: Mapping[str, str]) -> str:

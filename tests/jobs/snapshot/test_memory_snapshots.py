@@ -471,10 +471,19 @@ def test_with_peers_a_rank_whose_memory_is_full_stops_every_ranks_copies_without
         assert time.monotonic() - start >= 10
 
 
-def _node_loss(nodes, tmp: Path, name: str, port: int, *extra: str) -> tuple[dict, Path]:
-    """Two nodes of one rank each train the job; node b's agent is SIGKILLed (its worker dies with
-    it) while both ranks hold after step 15; a replacement node b starts. Returns node a's final
-    state and the log folder."""
+def _node_loss(
+    nodes,
+    tmp: Path,
+    name: str,
+    port: int,
+    *extra: str,
+    launcher: tuple[str, ...] = (),
+    lose_node: bool = True,
+) -> tuple[dict, Path]:
+    """Two nodes of one rank each train the job (``launcher``: more options of ``ddpkit run``);
+    node b's agent is SIGKILLed (its worker dies with it) while both ranks hold after step 15; a
+    replacement node b starts (without ``lose_node``, both train to the end). Returns node a's
+    final state and the log folder."""
     from tests.jobs.launch.test_multinode import _env, _finish, _on
 
     (ns_a, addr_a), (ns_b, _) = nodes
@@ -496,6 +505,7 @@ def _node_loss(nodes, tmp: Path, name: str, port: int, *extra: str) -> tuple[dic
             "1",
             "--max-restarts",
             "3",
+            *launcher,
         ),
         *("--rdzv-endpoint", f"{addr_a}:{port}", JOB, str(tmp / name), "--log", str(log)),
         *(
@@ -508,8 +518,15 @@ def _node_loss(nodes, tmp: Path, name: str, port: int, *extra: str) -> tuple[dic
             *extra,
         ),
     ]
+    if not lose_node:
+        hold.touch()
     node_a = _on(ns_a, cmd, tmp, f"{name}-a.log", env)
     node_b = _on(ns_b, cmd, tmp, f"{name}-b.log", env)
+    if not lose_node:
+        codes = _finish([node_a, node_b], timeout=300)
+        logs = [(tmp / f"{name}-{n}.log").read_text() for n in ("a", "b")]
+        assert codes == [0, 0], [text[-3000:] for text in logs]
+        return torch.load(tmp / f"{name}.pt", weights_only=False), log
 
     def holding() -> bool:
         assert node_a.poll() is None and node_b.poll() is None, (tmp / f"{name}-a.log").read_text()[

@@ -8,6 +8,7 @@ process."""
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -202,3 +203,67 @@ def test_a_hand_loop_is_recovered_in_place_bitwise(tmp_path, clean_env):
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "resumes every rank from the copies in memory, and this run keeps none" in proc.stderr
     assert not (tmp_path / "disk-rank0.pt").exists()
+
+
+# Across nodes: two network-namespace nodes of one rank each (tests/jobs/launch/netns.py).
+
+
+def _across(tmp_path: Path, checks) -> None:
+    from tests.jobs.launch import netns
+    from tests.jobs.launch.test_multinode import _env
+
+    with netns.two_nodes(f"ri{os.getpid() % 100000}") as nodes:
+        (tmp_path / "shm").mkdir()
+        env = _env() | {
+            memory_folder.ROOT_ENV: str(tmp_path / "shm"),
+            "PYTHONPATH": f"{memory.ROOT / 'src'}{os.pathsep}{memory.ROOT}",
+        }
+        # two nodes of one rank train the weights of one node of two (test_multinode.py)
+        reference, _ = memory.run_job(tmp_path, "reference", env=env)
+        checks(nodes, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_lost_node_is_replaced_in_place_bitwise_the_other_node_in_its_process(tmp_path):
+    def checks(nodes, reference) -> None:
+        # then the new node's worker is SIGKILLed after step 20: replaced on the new node
+        final, log = memory._node_loss(
+            nodes, tmp_path, "lost", 29433, "--kill-again", "1", "20", launcher=IN_PLACE
+        )
+        ran = pids(log)
+        assert ran[0][0] == ran[0][1] == ran[0][2] and len(set(ran[1].values())) == 3, ran
+        lost, again = recoveries(tmp_path / "lost")
+        print(f"\nnode b lost after step 15, recovered in place: {lost}\nthen: {again}")
+        assert lost["replaced"] == [1] and lost["step"] == 14
+        assert again["replaced"] == [1] and again["step"] in (19, 20)
+        assert set(lost["seconds"]) >= {"leave", "decide", "regroup", "restore", "total"}
+        check_exact(tmp_path, "lost", final, reference, "a lost node in place", samples=False)
+        # Control: the whole-job restart replaces node a's process too.
+        _, log = memory._node_loss(nodes, tmp_path, "whole", 29434)
+        ran = pids(log)
+        assert ran[0][0] != ran[0][1], ran
+
+    _across(tmp_path, checks)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_worker_killed_on_one_node_is_recovered_in_place_across_nodes(tmp_path):
+    def checks(nodes, reference) -> None:
+        kill = ("--kill-rank", "1", "--kill-after-step", "6", "--kill-delay", "0.003")
+        final, log = memory._node_loss(
+            nodes, tmp_path, "kill", 29435, *kill, launcher=IN_PLACE, lose_node=False
+        )
+        ran = pids(log)
+        assert ran[0][0] == ran[0][1] and ran[1][0] != ran[1][1], ran
+        (event,) = recoveries(tmp_path / "kill")
+        print(f"\nrank 1 of node b killed after step 6, recovered in place: {event}")
+        assert event["replaced"] == [1] and final["attempt"] == 1
+        check_exact(tmp_path, "kill", final, reference, "a worker killed on node b", samples=False)
+        # Control: the whole-job restart replaces node a's process too.
+        _, log = memory._node_loss(nodes, tmp_path, "whole", 29436, *kill, lose_node=False)
+        ran = pids(log)
+        assert ran[0][0] != ran[0][1], ran
+
+    _across(tmp_path, checks)

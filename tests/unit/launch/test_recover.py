@@ -87,6 +87,12 @@ class FakeAgent:
     def stop_late(self, ranks, group, waited) -> None:
         self.stopped.append(ranks)
 
+    def recovered(self) -> None:
+        pass
+
+    def stop_restarting(self) -> None:
+        self.restarts = 0
+
     def process_context(self):
         return SimpleNamespace(envs={0: {"MASTER_ADDR": "127.0.0.1"}})
 
@@ -142,18 +148,20 @@ def test_a_rank_that_does_not_leave_in_time_is_stopped_and_replaced(tmp_path):
     assert place.poll(agent, group(2)) and agent.stopped == [] and not place.fallback
 
 
-def test_in_place_recovery_needs_a_restart_budget_and_one_node(tmp_path, capsys):
+def test_in_place_recovery_needs_a_restart_budget_and_covers_several_nodes(tmp_path, monkeypatch):
     from ddpkit._launch.launcher import in_place_recovery
     from ddpkit._launch.options import LaunchConfig
+
+    monkeypatch.setenv(recover.DIR_ENV, "")  # set by the agent's side: put back after the test
 
     with pytest.raises(ConfigError, match="--max-restarts N"):
         in_place_recovery(LaunchConfig(script="x.py", recover="in-place"), tmp_path)
     cfg = LaunchConfig(
         script="x.py", recover="in-place", max_restarts=1, nnodes="2",
-        rdzv_endpoint="127.0.0.1:29400",
+        rdzv_endpoint="127.0.0.1:29400", join_timeout=7.0,
     )  # fmt: skip
-    assert in_place_recovery(cfg, tmp_path) is None
-    assert "it covers the workers of one node" in capsys.readouterr().err
+    found = in_place_recovery(cfg, tmp_path)
+    assert found is not None and found.join_timeout == 7
     with pytest.raises(ConfigError, match="recover"):
         LaunchConfig(script="x.py", recover="sideways")  # type: ignore[arg-type]
 
@@ -218,3 +226,193 @@ def test_a_world_made_again_gets_new_writer_groups():
     # A recovery in place (and shutdown() then init()) makes the world again: a writer group cached
     # from the first one would pair this rank with connections that are gone.
     assert run_on_ranks(_writer_groups_across_worlds, 2) == [(False, 2.0), (False, 2.0)]
+
+
+# Across nodes: two agents' InPlace on one real store, each node's workers faked (pure logic).
+
+
+class NodeAgent(FakeAgent):
+    """One node's agent: ``codes`` by local rank, its workers' global ranks ``ranks``."""
+
+    def __init__(self, ranks: list[int], codes: dict[int, int | None]) -> None:
+        super().__init__(codes)
+        self.ranks = ranks
+
+    def replace_worker(self, worker, env) -> None:
+        self.replaced.append((worker.global_rank, env["TORCHELASTIC_RESTART_COUNT"]))
+        self.codes[worker.local_rank] = None
+
+
+@pytest.fixture
+def store():
+    from datetime import timedelta
+
+    from ddpkit._internals.store import serve_new_store
+
+    return serve_new_store("127.0.0.1", timedelta(seconds=30))[0]
+
+
+def node(store, tmp_path: Path, name: str, n: int, ranks: list[int], **kw):
+    """(agent, its worker group, its InPlace) of node ``n`` of 2."""
+    handler = SimpleNamespace(base=store, addr="127.0.0.1", round_name="ddpkit/round/t")
+    workers = [SimpleNamespace(global_rank=r, local_rank=i) for i, r in enumerate(ranks)]
+    grp = SimpleNamespace(
+        workers=workers, spec=SimpleNamespace(rdzv_handler=handler), group_rank=n,
+        group_world_size=2, store=handler,
+    )  # fmt: skip
+    (tmp_path / name).mkdir()
+    agent = NodeAgent(ranks, {i: None for i in range(len(ranks))})
+    return agent, grp, recover.InPlace(tmp_path / name, **kw)
+
+
+def until(condition, what: str) -> None:
+    import time
+
+    deadline = time.monotonic() + 60  # a hang guard, not a bound on the time taken
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def settled(*nodes):
+    """Polls each (agent, worker group, InPlace) once; True once none recovers any more."""
+
+    def look() -> bool:
+        for agent, grp, place in nodes:
+            place.poll(agent, grp)
+        return all(place.incident is None for _, _, place in nodes)
+
+    return look
+
+
+def offered(store, agent, grp, place):
+    """Polls the deciding agent once; True once it offered a lost node's place."""
+
+    def look() -> bool:
+        place.poll(agent, grp)
+        return store.check([recover.KEY + "vacant"])
+
+    return look
+
+
+def test_across_nodes_a_worker_lost_on_one_node_is_recovered_by_both_agents(store, tmp_path):
+    agent_a, group_a, a = node(store, tmp_path, "a", 0, [0, 1])
+    agent_b, group_b, b = node(store, tmp_path, "b", 1, [2, 3])
+    assert not a.poll(agent_a, group_a) and not b.poll(agent_b, group_b)  # healthy
+    assert a.running and b.running  # the agent answers "healthy" without torchrun's own look
+    agent_b.codes[1] = -9  # rank 3 killed
+    assert b.poll(agent_b, group_b)
+    # node a's agent hears of it from the store and has its ranks leave
+    assert a.poll(agent_a, group_a) and (tmp_path / "a" / "incident").read_text() == "1"
+    wait(tmp_path / "a", 0)
+    wait(tmp_path / "a", 1)
+    wait(tmp_path / "b", 2)
+
+    until(settled((agent_a, group_a, a), (agent_b, group_b, b)), "both agents to go on")
+    go_a, go_b = (json.loads((tmp_path / n / "go-1").read_text()) for n in "ab")
+    assert go_a == go_b and go_a["replaced"] == [3] and go_a["lost_nodes"] == []
+    assert agent_b.replaced == [(3, "1")] and agent_a.replaced == []
+    assert agent_a.restarts == agent_b.restarts == 1
+    assert (tmp_path / "a" / "last").read_text() == (tmp_path / "b" / "last").read_text() == "1"
+    a.finished(), b.finished()
+
+
+def test_a_lost_node_is_seen_by_its_beat_and_a_new_node_takes_its_place(store, tmp_path):
+    import threading
+
+    agent_a, group_a, a = node(store, tmp_path, "a", 0, [0], join_timeout=60.0)
+    agent_b, group_b, b = node(store, tmp_path, "b", 1, [1])
+    assert not a.poll(agent_a, group_a) and not b.poll(agent_b, group_b)
+    b.finished(succeeded=False)  # node b gone silent: its beat stops, no worker of a has failed
+    until(lambda: a.poll(agent_a, group_a), "node a to see node b lost by its beat")
+    assert (tmp_path / "a" / "incident").read_text() == "1"
+    wait(tmp_path / "a", 0)
+
+    until(offered(store, agent_a, group_a, a), "node b's place offered")
+    places: list = []
+    joiner = threading.Thread(
+        target=lambda: places.append(recover.join(store, "127.0.0.1", 1, 5.0, 60.0))
+    )
+    joiner.start()
+    # the new node claims the place and beats as node b before node a looks again
+    beat = recover.KEY + "beat/ddpkit/round/t/1"
+    before = int(store.get(beat))
+    until(lambda: store.check([recover.KEY + "1/claim/1"]), "the claim")
+    until(lambda: int(store.get(beat)) > before + 1, "the new node's beat")
+
+    until(settled((agent_a, group_a, a)), "node a to go on once the new node claimed the place")
+    joiner.join()
+    (place,) = places
+    assert place.node == 1 and place.nodes == 2 and place.round_name == "ddpkit/round/t"
+    assert place.go["replaced"] == [1] and place.go["lost_nodes"] == [1]
+    assert json.loads((tmp_path / "a" / "go-1").read_text()) == place.go
+    (tmp_path / "c").mkdir()
+    c = recover.InPlace(tmp_path / "c")
+    assert json.loads(c.joined(place, group_b.store).read_text()) == place.go
+    assert c.generation == 1 and c.nodes is place.link
+    # the new node beats from its claim (its workers not started yet): never counted lost again
+    import time
+
+    watched = time.monotonic()
+    while time.monotonic() - watched < 3 * recover.LOST_AFTER:
+        assert not a.poll(agent_a, group_a), "the new node counted lost while it beats"
+        time.sleep(0.05)
+    # Control: once it stops beating, it is.
+    c.finished(succeeded=False)
+    until(lambda: a.poll(agent_a, group_a), "node a to count the silent new node lost")
+    a.finished()
+
+
+def test_control_a_lost_node_nobody_replaces_gives_the_failure_back_naming_it(store, tmp_path):
+    agent_a, group_a, a = node(store, tmp_path, "a", 0, [0], join_timeout=0.2)
+    agent_b, group_b, b = node(store, tmp_path, "b", 1, [1])
+    assert not a.poll(agent_a, group_a) and not b.poll(agent_b, group_b)
+    b.finished(succeeded=False)
+    wait(tmp_path / "a", 0)
+    until(lambda: not a.poll(agent_a, group_a), "node a to give the failure back")
+    assert "no new node took the place of lost node(s) 1 within --join-timeout" in a.fallback
+    assert (tmp_path / "a" / "end-1").read_text() == a.fallback and a.ended
+    # a new node arriving now finds no place: torch's rendezvous takes it in at the restart
+    assert recover.join(store, "127.0.0.1", 1, 0.0, 1.0) is None
+    a.finished()
+
+
+def test_a_node_counted_lost_that_speaks_after_all_keeps_its_place(store, tmp_path):
+    agent_a, group_a, a = node(store, tmp_path, "a", 0, [0])
+    agent_b, group_b, b = node(store, tmp_path, "b", 1, [1])
+    assert not a.poll(agent_a, group_a) and not b.poll(agent_b, group_b)
+    b.nodes._stop.set()  # its beat stands still (an agent starved of a core), its node is alive
+    wait(tmp_path / "a", 0)
+
+    until(offered(store, agent_a, group_a, a), "node b's place offered")
+    wait(tmp_path / "b", 1)
+
+    until(settled((agent_a, group_a, a), (agent_b, group_b, b)), "both agents to go on")
+    go = json.loads((tmp_path / "a" / "go-1").read_text())
+    assert go["lost_nodes"] == [] and go["replaced"] == [] and not b.ended
+    assert recover.join(store, "127.0.0.1", 1, 0.0, 1.0) is None  # the place was withdrawn
+    a.finished(), b.finished()
+
+
+def test_a_node_that_finished_is_not_waited_for_and_the_failure_is_given_back(store, tmp_path):
+    agent_a, group_a, a = node(store, tmp_path, "a", 0, [0])
+    agent_b, group_b, b = node(store, tmp_path, "b", 1, [1])
+    assert not a.poll(agent_a, group_a) and not b.poll(agent_b, group_b)
+    b.finished()  # node b's workers succeeded; its agent waits at torch's exit barrier
+    agent_a.codes[0] = -9  # then rank 0 fails (in its last save, say)
+    until(lambda: not a.poll(agent_a, group_a), "node a to give the failure back")
+    assert a.fallback == "node(s) 1 had already finished" and a.ended
+    a.finished()
+
+
+def test_a_node_that_never_says_what_its_ranks_did_is_not_waited_for_forever(
+    store, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(recover, "GRACE", 0.0)
+    agent_a, group_a, a = node(store, tmp_path, "a", 0, [0], timeout=0.0)
+    agent_b, group_b, b = node(store, tmp_path, "b", 1, [1])
+    assert not a.poll(agent_a, group_a) and not b.poll(agent_b, group_b)
+    wait(tmp_path / "a", 0)  # node b's agent beats but never polls again (stuck elsewhere)
+    until(lambda: not a.poll(agent_a, group_a), "node a to give the failure back")
+    assert "node(s) 1 did not say what their ranks did within" in a.fallback
+    a.finished(), b.finished()

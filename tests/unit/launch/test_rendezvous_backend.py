@@ -140,7 +140,7 @@ def _listening(port: int) -> bool:
 def test_the_workers_store_is_bound_before_its_port_is_published_and_new_each_round():
     store = _loopback_store()
     handler = WorkersStoreHandler(
-        create_handler(store, _signed(store), _params(store)), "127.0.0.1"
+        create_handler(store, _signed(store), _params(store)), "127.0.0.1", store
     )
     try:
         first = handler.next_rendezvous().bootstrap_store_info
@@ -166,7 +166,7 @@ def test_a_local_addr_not_of_this_node_is_named_when_the_workers_store_cannot_bi
     store = _loopback_store()
     # 192.0.2.1: TEST-NET-1, never an address of this machine
     handler = WorkersStoreHandler(
-        create_handler(store, _signed(store), _params(store)), "192.0.2.1"
+        create_handler(store, _signed(store), _params(store)), "192.0.2.1", store
     )
     try:
         with pytest.raises(ConfigError, match="--local-addr must be an address of this node"):

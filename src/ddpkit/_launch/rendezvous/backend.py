@@ -8,6 +8,7 @@ import base64
 import binascii
 import hashlib
 import hmac
+import secrets
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -45,17 +46,22 @@ class JobAccess:
 
 
 _jobs: dict[str, JobAccess] = {}  # rendezvous id -> access, for the jobs this process runs
+_in_place: dict[str, Any] = {}  # rendezvous id -> the job's recover.InPlace, where it has one
 _relays: dict[str, list[Any]] = {}
 
 
-def register(run_id: str, access: JobAccess) -> None:
-    """Make ``--rdzv-backend ddpkit --rdzv-id RUN_ID`` open its store with ``access``."""
+def register(run_id: str, access: JobAccess, in_place: Any = None) -> None:
+    """Make ``--rdzv-backend ddpkit --rdzv-id RUN_ID`` open its store with ``access``; with
+    ``in_place`` (a ``recover.InPlace``), a node starting while a node's place is open takes it."""
     handler_registry.register(BACKEND, _create_handler)
     _jobs[run_id] = access
+    if in_place is not None:
+        _in_place[run_id] = in_place
 
 
 def unregister(run_id: str) -> None:
     _jobs.pop(run_id, None)
+    _in_place.pop(run_id, None)
     for relay in _relays.pop(run_id, []):
         relay.close()
 
@@ -68,39 +74,77 @@ def _create_handler(params: RendezvousParameters) -> Any:  # a RendezvousHandler
         )
     store = _open_store(params, access)
     backend = SignedStateBackend(store, params.run_id, derive(access.secret, "state"))
-    return WorkersStoreHandler(create_handler(store, backend, params), params.local_addr)
+    handler = create_handler(store, backend, params)
+    return WorkersStoreHandler(handler, params.local_addr, store, _in_place.get(params.run_id))
 
 
 class WorkersStoreHandler:
     """torch's dynamic rendezvous, whose node of rank 0 also serves, new at every round, the store
     the workers meet in (``MASTER_ADDR:MASTER_PORT``), on its address alone, on a socket bound
     before its port is published (torch publishes a free port that another program may take).
+    Each round's keys go under a name of ddpkit's (:attr:`round_name`), which a node taking a lost
+    node's place in a job that recovers in place (``in_place``) is given (``recover.join``).
     Every other attribute is the rendezvous's own."""
 
     _KEY = "ddpkit/workers_store"
 
-    def __init__(self, inner: RendezvousHandler, local_addr: str | None) -> None:
+    def __init__(
+        self, inner: RendezvousHandler, local_addr: str | None, base: Any, in_place: Any = None
+    ) -> None:
         self._inner = inner
-        self._addr = local_addr or socket.getfqdn()  # the address torch gives this node
+        self.addr = local_addr or socket.getfqdn()  # the address torch gives this node
+        self.base = base  # the job's store, outside any round
+        self.round_name = ""
+        self.joined: Any = None  # a recover.Joined, until the agent starts its workers by it
+        self._in_place = in_place
+        self._rounds = 0
         self._store: Any = None
 
     def next_rendezvous(self) -> RendezvousInfo:
+        self._rounds += 1
+        if self._in_place is not None and self._rounds == 1:
+            from ddpkit._launch import recover
+
+            place = self._in_place
+            wait = place.timeout + recover.LOST_AFTER + recover.GRACE
+            joined = recover.join(self.base, self.addr, place.nproc, wait, place.join_timeout)
+            if joined is not None:
+                self.joined, self.round_name = joined, joined.round_name
+                go = joined.go
+                master = RendezvousStoreInfo(go["master_addr"], go["master_port"])
+                round_store = dist.PrefixStore(joined.round_name, self.base)
+                return RendezvousInfo(round_store, joined.node, joined.nodes, master)
         info = self._inner.next_rendezvous()
         store = info.store  # this round's keys only
         old, self._store = self._store, None  # the last round's store ends once the new one serves
         if info.rank == 0:
             try:
-                self._store, port = serve_new_store(self._addr, timedelta(minutes=5))
+                self._store, port = serve_new_store(self.addr, timedelta(minutes=5))
             except OSError as err:
                 raise ConfigError(
-                    f"cannot serve the workers' store on {self._addr} ({err.strerror}): "
+                    f"cannot serve the workers' store on {self.addr} ({err.strerror}): "
                     "--local-addr must be an address of this node"
                 ) from None
-            store.set(self._KEY, f"{port} {self._addr}")
+            store.set(self._KEY, f"{port} {self.addr} {secrets.token_hex(8)}")
         del old
-        served, addr = store.get(self._KEY).decode().split(" ", 1)
+        served, addr, token = store.get(self._KEY).decode().split(" ", 2)
+        self.round_name = f"ddpkit/round/{token}"
+        if self._in_place is not None:
+            from ddpkit._launch import recover
+
+            # a node new to the job counts on from the others' recoveries, its workers too
+            closed = recover.Nodes(self.base).closed()
+            self._in_place.adopt(max(self._in_place.generation, closed))
         master = RendezvousStoreInfo(master_addr=addr, master_port=int(served))
+        store = dist.PrefixStore(self.round_name, self.base)
         return RendezvousInfo(store, info.rank, info.world_size, master)
+
+    def num_nodes_waiting(self) -> int:
+        # a node waiting for the next round while a failure is recovered in place waits on: torch
+        # would restart every worker in the middle of the recovery
+        if self._in_place is not None and self._in_place.incident is not None:
+            return 0
+        return self._inner.num_nodes_waiting()
 
     use_agent_store = True  # every worker is a client of the store above, rank 0 too
 
@@ -109,6 +153,8 @@ class WorkersStoreHandler:
 
     def shutdown(self) -> bool:
         self._store = None
+        if self._in_place is not None and self._in_place.replaced:
+            return True  # a new node has this node's place: the job goes on without it
         return self._inner.shutdown()
 
 
