@@ -88,6 +88,10 @@ class Agent(HookedAgent):
                 say(f"  {frame}")
         send([pids[r] for r in ranks], signal.SIGKILL)
 
+    def stop_workers(self) -> None:
+        """SIGKILL every worker of the attempt (this node was replaced)."""
+        send(self.worker_pids(), signal.SIGKILL)
+
     def recovered(self) -> None:
         """The workers went on after a recovery in place: the stall watch starts anew."""
         self._watched = self._exits_of = self._stacks_asked = None

@@ -277,6 +277,10 @@ def launch(cfg: LaunchConfig) -> int:
     except ChildFailedError as err:
         return report_failure(cfg, err, run_dir)
     except RendezvousError as err:
+        if in_place is not None and in_place.replaced:
+            say("this node was counted lost and a new node took its place: the job goes on "
+                "without it")  # fmt: skip
+            return 1
         say(
             f"the nodes did not come together at {cfg.rdzv_endpoint} ({type(err).__name__}: "
             f"{err or 'no detail'}): start the same command on every node within --join-timeout "

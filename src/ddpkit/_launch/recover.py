@@ -11,6 +11,7 @@ import functools
 import gc
 import json
 import os
+import secrets
 import socket
 import threading
 import time
@@ -39,6 +40,10 @@ BEAT = 0.1  # seconds between an agent's beats on the rendezvous store
 LOST_AFTER = 0.8
 """Seconds without a beat after which a node's agent, and the node with it, counts as lost."""
 KEY = "ddpkit/recover/"  # on the rendezvous store outside any round: a new node knows no round
+NODE_WAITING = (
+    "a new node waits in torch's rendezvous (it started before the loss was seen, or runs another "
+    "--nproc): the job restarts with it"
+)
 GRACE = 5.0  # seconds more than a node's ranks get to leave, for its agent's word to arrive
 
 
@@ -181,7 +186,8 @@ def leave(error: BaseException) -> dict[str, Any] | None:
     # free what the failed run held (model, optimizer, device memory: in reference cycles)
     gc.collect()
     go, end = where / f"go-{generation}", where / f"end-{generation}"
-    while True:
+    agent = int(os.environ.get("DDPKIT_AGENT_PID", os.getppid()))
+    while os.getppid() == agent:  # an agent gone says no word: the error goes on
         if (found := _read_json(go)) is not None:
             os.environ[GO_ENV] = str(go)
             os.environ.update(
@@ -193,6 +199,7 @@ def leave(error: BaseException) -> dict[str, Any] | None:
         if end.exists():
             return None
         time.sleep(POLL)
+    return None
 
 
 def last_recovery(where: Path) -> int:
@@ -369,16 +376,26 @@ def join(store: Any, addr: str, nproc: int, wait: float, join_timeout: float) ->
             return None
         time.sleep(0.05)
     place = None
+    claim = f"{addr} {os.getpid()} {secrets.token_hex(8)}"  # two new nodes never hold one claim
     for n in vacant["nodes"]:
         ranks = link.read_json(f"ranks/{vacant['round']}/{n}") or []
         if len(ranks) != nproc:
             say(f"not taking the place of lost node {n}: it ran {len(ranks)} worker(s), this "
                 f"node {nproc} (--nproc)")  # fmt: skip
-        elif link.first(f"{generation}/claim/{n}", addr):
+        elif link.first(f"{generation}/claim/{n}", claim):
             place = n
             break
+    if place is None and all(len(link.read_json(f"ranks/{vacant['round']}/{n}") or []) == nproc
+                             for n in vacant["nodes"]):  # fmt: skip
+        # in torch's rendezvous it would wait for a place the job never has: every restart
+        # would take it in and leave a node out again
+        raise ConfigError(
+            f"the place of lost node(s) {_listed(vacant['nodes'])} was taken by another new node "
+            f"(recovery {generation}): this node is not needed now; start it again to join the "
+            "job at a later restart"
+        )
     if place is None:
-        return None  # every place taken by another new node, or of another size
+        return None  # of another size: torch's rendezvous takes it in at a whole restart
     say(f"taking the place of lost node {place} (recovery {generation})")
     # beating from now: the others must not count the place lost again while this node starts
     mine = Nodes(store, place, vacant["size"], addr, vacant["round"])
@@ -420,6 +437,7 @@ class InPlace:
         self.running = False  # the last poll found every worker running
         self.replaced = False
         """Set when this node was counted lost and a new node took its place: its agent ends."""
+        self._handler: Any = None  # the rendezvous handler, across nodes
 
     def poll(self, agent: Any, group: Any) -> bool:
         """True while a failure is recovered in place: torchrun must not look at the workers."""
@@ -487,6 +505,7 @@ class InPlace:
         base = getattr(handler, "base", None)
         if handler is None or base is None or (getattr(group, "group_world_size", 1) or 1) < 2:
             return None
+        self._handler = handler
         if self._nodes_of is not group.store:
             if self.nodes is not None:
                 self.nodes.close()
@@ -499,6 +518,11 @@ class InPlace:
                 [w.global_rank for w in group.workers],
             )
         return self.nodes
+
+    def _nodes_waiting(self) -> int:
+        """Nodes waiting in torch's rendezvous for the next round."""
+        waiting = getattr(self._handler, "nodes_waiting", None)
+        return int(waiting()) if waiting is not None else 0
 
     def adopt(self, generation: int) -> None:
         """Count recoveries on from ``generation`` (the job's last, closed): the workers' too."""
@@ -537,6 +561,8 @@ class InPlace:
         assert self.incident is not None
         self.fallback, self.ended = why, True
         fs.write_atomic(self.folder / f"end-{self.incident.generation}", why.encode())
+        if self.nodes is not None or self.replaced:  # torch may restart every node, unsaid
+            say(f"not recovered in place (recovery {self.incident.generation}): {why}")
         self._close_incident()
 
     def _decide(self, agent: Any, waiting: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -629,6 +655,8 @@ class InPlace:
                     f"{self.join_timeout:g} s, --join-timeout)"
                 )
             if any(link.read(f"{g}/claim/{n}") is None for n in lost):
+                if self._nodes_waiting():
+                    return link.settle(g, {"end": NODE_WAITING})
                 if time.monotonic() - incident.offered > self.join_timeout:
                     return link.settle(g, {"end": f"no new node took the place of lost node(s) "
                                                   f"{_listed(sorted(lost))} within --join-timeout "
@@ -659,6 +687,7 @@ class InPlace:
             agent.stop_restarting()
             self.nodes.close()  # its beat is the new node's now
             self.nodes = None
+            agent.stop_workers()  # a rank still in a collective of the old world never reads why
             return False
         agent.use_restart()
         if self.nodes is not None:

@@ -416,3 +416,80 @@ def test_a_node_that_never_says_what_its_ranks_did_is_not_waited_for_forever(
     until(lambda: not a.poll(agent_a, group_a), "node a to give the failure back")
     assert "node(s) 1 did not say what their ranks did within" in a.fallback
     a.finished(), b.finished()
+
+
+def _lose_b(store, tmp_path, **kw):
+    """Nodes a (deciding) and b; b goes silent and a offers its place. (agent, group, InPlace)
+    of node a."""
+    agent_a, group_a, a = node(store, tmp_path, "a", 0, [0], **kw)
+    agent_b, group_b, b = node(store, tmp_path, "b", 1, [1])
+    assert not a.poll(agent_a, group_a) and not b.poll(agent_b, group_b)
+    b.finished(succeeded=False)
+    wait(tmp_path / "a", 0)
+    until(offered(store, agent_a, group_a, a), "node b's place offered")
+    return agent_a, group_a, a
+
+
+def test_two_new_nodes_at_one_address_one_takes_the_place_the_other_is_told(store, tmp_path):
+    import threading
+
+    agent_a, group_a, a = _lose_b(store, tmp_path, join_timeout=600.0)
+    found: list = []
+
+    def start() -> None:
+        try:
+            found.append(recover.join(store, "127.0.0.1", 1, 5.0, 60.0))
+        except ConfigError as err:
+            found.append(err)
+
+    joiners = [threading.Thread(target=start) for _ in range(2)]
+    for t in joiners:
+        t.start()
+    until(lambda: len(found) == 1, "one new node turned away")
+    until(settled((agent_a, group_a, a)), "node a to go on with the other")
+    for t in joiners:
+        t.join()
+    (place,) = [f for f in found if isinstance(f, recover.Joined)]
+    (refused,) = [f for f in found if isinstance(f, ConfigError)]
+    assert place.node == 1 and "was taken by another new node" in str(refused)
+    place.link.close(), a.finished()
+
+
+def test_a_new_node_waiting_in_torchs_rendezvous_ends_the_offer_at_once(store, tmp_path):
+    agent_a, group_a, a = _lose_b(store, tmp_path, join_timeout=600.0)
+    group_a.spec.rdzv_handler.nodes_waiting = lambda: 1
+    until(lambda: not a.poll(agent_a, group_a), "node a to give the failure back")
+    assert a.fallback == recover.NODE_WAITING and a.ended
+    a.finished()
+
+
+def test_a_worker_whose_agent_is_gone_stops_waiting_for_its_word(tmp_path, monkeypatch):
+    import threading
+
+    monkeypatch.setenv(recover.DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("DDPKIT_AGENT_PID", str(os.getppid()))
+    monkeypatch.setattr(recover, "_handled", 0)  # the recoveries this process cut its links for
+    left: list = []
+    waiting = threading.Thread(target=lambda: left.append(recover.leave(RuntimeError("x"))))
+    waiting.start()
+    until(lambda: (tmp_path / "wait-1.0").exists(), "the worker's word")
+    waiting.join(0.3)
+    assert waiting.is_alive()  # its agent lives: it waits for the go or the end
+    (tmp_path / "end-1").write_text("why")
+    waiting.join()
+    assert left == [None]
+    # with its agent gone it does not wait
+    monkeypatch.setenv("DDPKIT_AGENT_PID", str(os.getppid() + 1))
+    (tmp_path / "last").write_text("1")
+    assert recover.leave(RuntimeError("x")) is None and (tmp_path / "wait-2.0").exists()
+
+
+def test_a_node_refused_a_place_leaves_the_rendezvous_open():
+    from ddpkit._launch.rendezvous.backend import WorkersStoreHandler
+
+    closed: list = []
+    inner = SimpleNamespace(shutdown=lambda: closed.append(True) or True)
+    handler = WorkersStoreHandler(inner, "127.0.0.1", None)  # type: ignore[arg-type]
+    assert handler.shutdown() and closed == []  # never of the job: torch's close is not called
+    handler._member = True
+    assert handler.shutdown() and closed == [True]

@@ -98,6 +98,7 @@ class WorkersStoreHandler:
         self.joined: Any = None  # a recover.Joined, until the agent starts its workers by it
         self._in_place = in_place
         self._rounds = 0
+        self._member = False  # this node joined a round, or took a lost node's place
         self._store: Any = None
 
     def next_rendezvous(self) -> RendezvousInfo:
@@ -109,12 +110,13 @@ class WorkersStoreHandler:
             wait = place.timeout + recover.LOST_AFTER + recover.GRACE
             joined = recover.join(self.base, self.addr, place.nproc, wait, place.join_timeout)
             if joined is not None:
-                self.joined, self.round_name = joined, joined.round_name
+                self.joined, self.round_name, self._member = joined, joined.round_name, True
                 go = joined.go
                 master = RendezvousStoreInfo(go["master_addr"], go["master_port"])
                 round_store = dist.PrefixStore(joined.round_name, self.base)
                 return RendezvousInfo(round_store, joined.node, joined.nodes, master)
         info = self._inner.next_rendezvous()
+        self._member = True
         store = info.store  # this round's keys only
         old, self._store = self._store, None  # the last round's store ends once the new one serves
         if info.rank == 0:
@@ -139,12 +141,16 @@ class WorkersStoreHandler:
         store = dist.PrefixStore(self.round_name, self.base)
         return RendezvousInfo(store, info.rank, info.world_size, master)
 
+    def nodes_waiting(self) -> int:
+        """Nodes waiting in torch's rendezvous for the next round."""
+        return int(self._inner.num_nodes_waiting())
+
     def num_nodes_waiting(self) -> int:
         # a node waiting for the next round while a failure is recovered in place waits on: torch
         # would restart every worker in the middle of the recovery
         if self._in_place is not None and self._in_place.incident is not None:
             return 0
-        return self._inner.num_nodes_waiting()
+        return self.nodes_waiting()
 
     use_agent_store = True  # every worker is a client of the store above, rank 0 too
 
@@ -153,8 +159,10 @@ class WorkersStoreHandler:
 
     def shutdown(self) -> bool:
         self._store = None
-        if self._in_place is not None and self._in_place.replaced:
-            return True  # a new node has this node's place: the job goes on without it
+        if not self._member or (self._in_place is not None and self._in_place.replaced):
+            # not of the job (refused a place) or replaced: the job goes on without this node,
+            # and torch's shutdown would close the rendezvous to every node
+            return True
         return self._inner.shutdown()
 
 
