@@ -153,6 +153,8 @@ class Agent(HookedAgent):
         if preempted(result.failures):
             self.stop_restarting()
             return
+        if self.in_place is not None:
+            self.in_place.finished(succeeded=False)  # torchrun restarts the job, or it ends
         if self.restarts_left() > 0:  # torchrun restarts next: say what failed, as at a job's end
             print(self.summary(result), file=sys.stderr, flush=True)
             left = self.restarts_left() - 1

@@ -364,14 +364,24 @@ def join(store: Any, addr: str, nproc: int, wait: float, join_timeout: float) ->
     lost node, claimed, once the job's agents say go; None where no place is open (or none opens
     within ``wait`` seconds of a recovery under way): torch's rendezvous follows."""
     link = Nodes(store)  # a reader: the agent beats once it has a place
-    deadline = time.monotonic() + wait
+    job = link.read_json("job")
+    full = job is not None and _all_beating(store, job)
+    if full:  # a place opens when a node is lost: taken here, the job goes on without a restart
+        say(
+            f"the job runs on all its {job['size']} node(s): waiting for one's place "
+            f"(--join-timeout, {join_timeout:g} s)"
+        )
+    deadline = time.monotonic() + (join_timeout if full else wait)
     while True:
         generation = link.incident()
-        if not generation or link.outcome(generation) is not None:
+        if generation and link.outcome(generation) is None:
+            vacant = link.read_json("vacant")
+            if vacant is not None and vacant["recovery"] == generation:
+                break
+        elif not full:
             return None  # no recovery under way
-        vacant = link.read_json("vacant")
-        if vacant is not None and vacant["recovery"] == generation:
-            break
+        elif all(Nodes(store, round_name=job["round"]).finished(n) for n in range(job["size"])):
+            raise ConfigError("the job finished while this node waited for a node's place")
         if time.monotonic() > deadline:
             return None
         time.sleep(0.05)
@@ -409,6 +419,18 @@ def join(store: Any, addr: str, nproc: int, wait: float, join_timeout: float) ->
         time.sleep(0.02)
     mine.close()
     return None
+
+
+def _all_beating(store: Any, job: dict[str, Any]) -> bool:
+    """Whether every node of ``job`` (its round and size) beats: each count moves within
+    :data:`LOST_AFTER` seconds."""
+    link = Nodes(store, round_name=job["round"])
+    first = {n: link.read(f"beat/{job['round']}/{n}") for n in range(job["size"])}
+    time.sleep(LOST_AFTER + BEAT)
+    return all(
+        count is not None and link.read(f"beat/{job['round']}/{n}") != count
+        for n, count in first.items()
+    )
 
 
 class InPlace:
@@ -517,6 +539,8 @@ class InPlace:
                 f"ranks/{handler.round_name}/{group.group_rank}",
                 [w.global_rank for w in group.workers],
             )
+            if group.group_rank == 0:  # what a new node finds: the job, at its size
+                self.nodes.put("job", {"round": handler.round_name, "size": group.group_world_size})
         return self.nodes
 
     def _nodes_waiting(self) -> int:
@@ -563,6 +587,7 @@ class InPlace:
         fs.write_atomic(self.folder / f"end-{self.incident.generation}", why.encode())
         if self.nodes is not None or self.replaced:  # torch may restart every node, unsaid
             say(f"not recovered in place (recovery {self.incident.generation}): {why}")
+        self.finished(succeeded=False)  # the job restarts whole: a new node joins its rendezvous
         self._close_incident()
 
     def _decide(self, agent: Any, waiting: dict[int, dict[str, Any]]) -> dict[str, Any]:

@@ -493,3 +493,43 @@ def test_a_node_refused_a_place_leaves_the_rendezvous_open():
     assert handler.shutdown() and closed == []  # never of the job: torch's close is not called
     handler._member = True
     assert handler.shutdown() and closed == [True]
+
+
+def test_a_new_node_started_before_the_loss_waits_for_the_place_and_takes_it(store, tmp_path):
+    import threading
+
+    agent_a, group_a, a = node(store, tmp_path, "a", 0, [0], join_timeout=600.0)
+    agent_b, group_b, b = node(store, tmp_path, "b", 1, [1])
+    assert not a.poll(agent_a, group_a) and not b.poll(agent_b, group_b)
+    # Control: with no job running at its full size, a new node goes to torch's rendezvous.
+    job = store.get(recover.KEY + "job")
+    store.delete_key(recover.KEY + "job")
+    assert recover.join(store, "127.0.0.1", 1, 0.0, 60.0) is None
+    store.set(recover.KEY + "job", job)
+    places: list = []
+    joiner = threading.Thread(
+        target=lambda: places.append(recover.join(store, "127.0.0.1", 1, 5.0, 60.0))
+    )
+    joiner.start()  # node b still beats: the new node waits for a place
+    joiner.join(3 * (recover.LOST_AFTER + recover.BEAT))  # past its look at the beats
+    assert joiner.is_alive() and places == []
+    b.finished(succeeded=False)  # now node b is lost
+    wait(tmp_path / "a", 0)
+    until(settled((agent_a, group_a, a)), "node a to go on with the new node")
+    joiner.join()
+    (place,) = places
+    assert place.node == 1 and place.go["lost_nodes"] == [1]
+    place.link.close(), a.finished()
+
+
+def test_a_job_on_all_its_nodes_restarts_for_no_node_waiting_in_torchs_rendezvous():
+    from ddpkit._launch.rendezvous.backend import WorkersStoreHandler
+
+    inner = SimpleNamespace(num_nodes_waiting=lambda: 1)
+    place = SimpleNamespace(incident=None)
+    handler = WorkersStoreHandler(inner, "127.0.0.1", None, place, max_nodes=2)  # type: ignore[arg-type]
+    handler._size = 2
+    assert handler.num_nodes_waiting() == 0 and handler.nodes_waiting() == 1
+    # Control: below its size the job takes the waiting node in at a restart, as torch does.
+    handler._size = 1
+    assert handler.num_nodes_waiting() == 1

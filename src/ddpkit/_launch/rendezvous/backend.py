@@ -75,7 +75,8 @@ def _create_handler(params: RendezvousParameters) -> Any:  # a RendezvousHandler
     store = _open_store(params, access)
     backend = SignedStateBackend(store, params.run_id, derive(access.secret, "state"))
     handler = create_handler(store, backend, params)
-    return WorkersStoreHandler(handler, params.local_addr, store, _in_place.get(params.run_id))
+    in_place = _in_place.get(params.run_id)
+    return WorkersStoreHandler(handler, params.local_addr, store, in_place, params.max_nodes)
 
 
 class WorkersStoreHandler:
@@ -89,7 +90,12 @@ class WorkersStoreHandler:
     _KEY = "ddpkit/workers_store"
 
     def __init__(
-        self, inner: RendezvousHandler, local_addr: str | None, base: Any, in_place: Any = None
+        self,
+        inner: RendezvousHandler,
+        local_addr: str | None,
+        base: Any,
+        in_place: Any = None,
+        max_nodes: int = 1,
     ) -> None:
         self._inner = inner
         self.addr = local_addr or socket.getfqdn()  # the address torch gives this node
@@ -99,6 +105,8 @@ class WorkersStoreHandler:
         self._in_place = in_place
         self._rounds = 0
         self._member = False  # this node joined a round, or took a lost node's place
+        self._max_nodes = max_nodes
+        self._size = 0  # the nodes of the job's round, as this node knows it
         self._store: Any = None
 
     def next_rendezvous(self) -> RendezvousInfo:
@@ -111,12 +119,13 @@ class WorkersStoreHandler:
             joined = recover.join(self.base, self.addr, place.nproc, wait, place.join_timeout)
             if joined is not None:
                 self.joined, self.round_name, self._member = joined, joined.round_name, True
+                self._size = joined.nodes
                 go = joined.go
                 master = RendezvousStoreInfo(go["master_addr"], go["master_port"])
                 round_store = dist.PrefixStore(joined.round_name, self.base)
                 return RendezvousInfo(round_store, joined.node, joined.nodes, master)
         info = self._inner.next_rendezvous()
-        self._member = True
+        self._member, self._size = True, info.world_size
         store = info.store  # this round's keys only
         old, self._store = self._store, None  # the last round's store ends once the new one serves
         if info.rank == 0:
@@ -146,9 +155,14 @@ class WorkersStoreHandler:
         return int(self._inner.num_nodes_waiting())
 
     def num_nodes_waiting(self) -> int:
-        # a node waiting for the next round while a failure is recovered in place waits on: torch
-        # would restart every worker in the middle of the recovery
-        if self._in_place is not None and self._in_place.incident is not None:
+        # Recovering in place, a node waiting for the next round waits on while a failure is
+        # recovered (torch would restart every worker in the middle of it), and while the job runs
+        # on all its nodes: a lost node's place is taken in place, and torch's count of the
+        # round's nodes (a lost one still in it until its keep-alive expires, its new one not)
+        # would restart the job to take in a node it has no place for.
+        if self._in_place is not None and (
+            self._in_place.incident is not None or self._size >= self._max_nodes
+        ):
             return 0
         return self.nodes_waiting()
 
