@@ -278,8 +278,7 @@ def launch(cfg: LaunchConfig) -> int:
         return report_failure(cfg, err, run_dir)
     except RendezvousError as err:
         if in_place is not None and in_place.replaced:
-            say("this node was counted lost and a new node took its place: the job goes on "
-                "without it")  # fmt: skip
+            say("this node was counted lost and replaced: the job goes on without it")
             return 1
         say(
             f"the nodes did not come together at {cfg.rdzv_endpoint} ({type(err).__name__}: "

@@ -669,24 +669,8 @@ class InPlace:
             # a node counted lost that speaks after all keeps its place, where none claimed it
             if reports[n] is not None and link.first(f"{g}/claim/{n}", "-"):
                 lost.discard(n)
-        if lost:
-            if incident.offered is None:
-                incident.offered = time.monotonic()
-                link.put("vacant", {"recovery": g, "nodes": sorted(lost), "size": link.nodes,
-                                    "round": link.round})  # fmt: skip
-                say(
-                    f"node(s) {_listed(sorted(lost))} lost (no beat for {LOST_AFTER:g} s): start "
-                    f"the same ddpkit run command on a new node to take its place (waiting "
-                    f"{self.join_timeout:g} s, --join-timeout)"
-                )
-            if any(link.read(f"{g}/claim/{n}") is None for n in lost):
-                if self._nodes_waiting():
-                    return link.settle(g, {"end": NODE_WAITING})
-                if time.monotonic() - incident.offered > self.join_timeout:
-                    return link.settle(g, {"end": f"no new node took the place of lost node(s) "
-                                                  f"{_listed(sorted(lost))} within --join-timeout "
-                                                  f"({self.join_timeout:g} s)"})  # fmt: skip
-                return None
+        if lost and (why := self._unclaimed(link, g, lost)) is not None:
+            return link.settle(g, {"end": why}) if why else None
         replaced = {r for rep in reports.values() if rep is not None for r in rep["exited"]}
         replaced.update(r for n in lost for r in link.read_json(f"ranks/{link.round}/{n}") or [])
         times = [t for rep in reports.values() if rep is not None for t in rep["times"]]
@@ -695,6 +679,30 @@ class InPlace:
         if "go" not in outcome:
             self.store = None  # given back meanwhile: the store served for it ends
         return outcome
+
+    def _unclaimed(self, link: Nodes, g: int, lost: set[int]) -> str | None:
+        """The lost nodes' places offered (once): None once a new node claimed each, "" to wait
+        on, or why to give the recovery back."""
+        assert self.incident is not None
+        if self.incident.offered is None:
+            self.incident.offered = time.monotonic()
+            link.put("vacant", {"recovery": g, "nodes": sorted(lost), "size": link.nodes,
+                                "round": link.round})  # fmt: skip
+            say(
+                f"node(s) {_listed(sorted(lost))} lost (no beat for {LOST_AFTER:g} s): start the "
+                f"same ddpkit run command on a new node to take its place (waiting "
+                f"{self.join_timeout:g} s, --join-timeout)"
+            )
+        if all(link.read(f"{g}/claim/{n}") is not None for n in lost):
+            return None
+        if self._nodes_waiting():
+            return NODE_WAITING
+        if time.monotonic() - self.incident.offered > self.join_timeout:
+            return (
+                f"no new node took the place of lost node(s) {_listed(sorted(lost))} within "
+                f"--join-timeout ({self.join_timeout:g} s)"
+            )
+        return ""
 
     def _go(
         self, agent: Any, group: Any, waiting: dict[int, dict[str, Any]], go: dict[str, Any]
