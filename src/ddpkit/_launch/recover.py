@@ -265,7 +265,7 @@ class Nodes:
         while not self._stop.is_set():
             try:
                 # a connection of its own: a slow read of the agent's never holds a beat back
-                store = store or self.store.clone()
+                store = store or _connection(self.store)
                 store.add(key, 1)
             except Exception:  # noqa: BLE001  (a broken connection: a new one at the next beat)
                 store = None
@@ -345,6 +345,16 @@ class Nodes:
     def neighbour_lost(self) -> bool:
         """Whether the next node is lost: each node watches one, every node is watched."""
         return bool(self.lost([(self.node + 1) % self.nodes]))
+
+
+def _connection(store: Any) -> Any:
+    """A new client connection to TCPStore ``store``'s server (older torch has no ``clone``)."""
+    clone = getattr(store, "clone", None)
+    if clone is not None:
+        return clone()
+    import torch.distributed as dist
+
+    return dist.TCPStore(store.host, store.port, is_master=False, timeout=store.timeout)
 
 
 @dataclass
