@@ -390,23 +390,22 @@ def join(store: Any, addr: str, nproc: int, wait: float, join_timeout: float) ->
                 break
         elif not full:
             return None  # no recovery under way
-        elif all(Nodes(store, round_name=job["round"]).finished(n) for n in range(job["size"])):
+        elif all(map(Nodes(store, round_name=job["round"]).finished, range(job["size"]))):
             raise ConfigError("the job finished while this node waited for a node's place")
         if time.monotonic() > deadline:
             return None
         time.sleep(0.05)
     place = None
     claim = f"{addr} {os.getpid()} {secrets.token_hex(8)}"  # two new nodes never hold one claim
-    for n in vacant["nodes"]:
-        ranks = link.read_json(f"ranks/{vacant['round']}/{n}") or []
-        if len(ranks) != nproc:
-            say(f"not taking the place of lost node {n}: it ran {len(ranks)} worker(s), this "
-                f"node {nproc} (--nproc)")  # fmt: skip
+    sizes = {n: len(link.read_json(f"ranks/{vacant['round']}/{n}") or []) for n in vacant["nodes"]}
+    for n, size in sizes.items():
+        if size != nproc:
+            say(f"not taking the place of lost node {n}: it ran {size} worker(s), this node "
+                f"{nproc} (--nproc)")  # fmt: skip
         elif link.first(f"{generation}/claim/{n}", claim):
             place = n
             break
-    if place is None and all(len(link.read_json(f"ranks/{vacant['round']}/{n}") or []) == nproc
-                             for n in vacant["nodes"]):  # fmt: skip
+    if place is None and set(sizes.values()) == {nproc}:
         # in torch's rendezvous it would wait for a place the job never has: every restart
         # would take it in and leave a node out again
         raise ConfigError(
