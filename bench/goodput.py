@@ -16,7 +16,7 @@ variants:
   (docs/recovery.md);
 - ``memory-new-interpreters``: ``memory`` with ``ddpkit run --fork-server off``: every worker of
   every attempt a new interpreter that imports torch, as under torchrun (the other ddpkit variants
-  fork their workers from the job's fork server, :mod:`ddpkit._launch.forkserver`).
+  fork their workers from the job's fork server, :mod:`ddpkit._launch.agent.forkserver`).
 
 Each variant runs (a) without failures and (b) with a SIGKILL of a random rank at T, 2T, ... seconds
 after the launch (a kill that falls while the job is restarting waits for both ranks to be up).
@@ -133,7 +133,7 @@ def launch_main(argv: list[str]) -> int:
     timeline, which, args = argv[0], argv[1], argv[2:]
     instrument_agent(timeline)
     if which == "ddpkit":
-        from ddpkit._launch.launcher import main
+        from ddpkit._launch.cli.run import main
 
         return main(args)
     from torch.distributed.run import main as torchrun_main

@@ -122,7 +122,7 @@ else
   cat > "$one_gpu" <<'EOF'
 import functools, json, sys
 from types import SimpleNamespace
-from ddpkit._launch.spawn import spawn
+from ddpkit.distributed._spawn import spawn
 from ddpkit.tools._bench import _start_method, compare_data_parallel
 from ddpkit.tools._measure import Knobs, measure_steps
 

@@ -112,15 +112,15 @@ DDPKIT_GLOBALS: dict[tuple[str, str], Any] = {
     ("ddpkit.snapshot._disk", "_groups"): {},
     ("ddpkit.snapshot._slots", "_job_folder"): None,  # the agent's job folder in shared memory
     ("ddpkit.tools._workload", "_modules"): {},
-    ("ddpkit._launch.recover", "_links"): [],
-    ("ddpkit._launch.worker", "_serving"): None,
-    ("ddpkit._launch.spawn", "_store"): None,
+    ("ddpkit._launch.recover.inplace", "_links"): [],
+    ("ddpkit._launch.agent.worker", "_serving"): None,
+    ("ddpkit.distributed._spawn", "_store"): None,
     ("ddpkit.platforms._mpi", "_served"): None,
-    ("ddpkit._launch.agent", "_answering"): None,
+    ("ddpkit._launch.agent.agent", "_answering"): None,
     ("ddpkit._launch.rendezvous.backend", "_jobs"): {},
     ("ddpkit._launch.rendezvous.backend", "_relays"): {},
     ("ddpkit._launch.rendezvous.backend", "_in_place"): {},
-    ("ddpkit._launch.forkserver", "_server"): None,
+    ("ddpkit._launch.agent.forkserver", "_server"): None,
 }
 # hold_stop_signals() and the Trainer's stop_signals() install handlers for these in the process
 # that calls them.

@@ -6,7 +6,6 @@ A single-device script becomes a DDP script with a handful of calls (``init``, `
 """
 
 from ddpkit._errors import ConfigError, Preempted
-from ddpkit._launch.spawn import spawn
 from ddpkit.data import build_eval_loader, build_loader, to_device
 from ddpkit.distributed._collectives import (
     MetricSums,
@@ -21,6 +20,7 @@ from ddpkit.distributed._groups import split_world
 from ddpkit.distributed._log import get_logger, print0
 from ddpkit.distributed._runtime import Runtime, get_runtime, init, shutdown
 from ddpkit.distributed._seeding import seed_everything
+from ddpkit.distributed._spawn import spawn
 from ddpkit.snapshot._snapshots import Snapshots
 from ddpkit.snapshot._state import SnapshotConfig
 from ddpkit.strategies import DDPConfig, FSDPConfig, ZeroConfig

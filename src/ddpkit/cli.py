@@ -14,15 +14,15 @@ __all__ = ["main"]
 # name -> (module whose main(argv) runs it, one line of help). Imported only when used.
 COMMANDS = {
     "run": (
-        "ddpkit._launch.launcher",
+        "ddpkit._launch.cli.run",
         "launch a training script on every GPU (or CPU share) of this node, or of several",
     ),
     "sbatch": (
-        "ddpkit._launch.sbatch",
+        "ddpkit._launch.cli.sbatch",
         "write and submit a SLURM batch script that requeues itself when pre-empted",
     ),
     "k8s": (
-        "ddpkit._launch.k8s",
+        "ddpkit._launch.cli.k8s",
         "write a Kubernetes manifest (TrainJob, PyTorchJob or JobSet) that resumes after failures",
     ),
     "env": (

@@ -20,10 +20,10 @@ from typing import Any, TypeVar, cast
 import torch
 
 from ddpkit import platforms
-from ddpkit._launch.spawn import spawn
 from ddpkit.distributed import Group
 from ddpkit.distributed._collectives import all_gather_object, tensor_bytes
 from ddpkit.distributed._runtime import get_runtime, init
+from ddpkit.distributed._spawn import spawn
 
 __all__ = [
     "LAUNCH_VARIABLES",

@@ -216,7 +216,7 @@ _BENCH_ONE_GPU = """
 import functools, json
 from types import SimpleNamespace
 import torch, torch._dynamo
-from ddpkit._launch.spawn import spawn
+from ddpkit.distributed._spawn import spawn
 from ddpkit.tools._bench import _start_method, compare_data_parallel
 from ddpkit.tools._measure import Knobs, measure_steps
 

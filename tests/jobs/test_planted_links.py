@@ -330,7 +330,7 @@ def test_a_planted_temporary_of_the_old_fixed_name_is_never_written(tmp_path):
 
 
 def _batch_script(folder: Path) -> None:
-    from ddpkit._launch.sbatch import BatchConfig, submit
+    from ddpkit._launch.cli.sbatch import BatchConfig, submit
 
     script = folder.parent / "train.py"
     script.write_text("print('hi')\n")

@@ -157,9 +157,9 @@ def test_no_module_reads_another_modules_private_attributes():
 
 # The extras: each imported by the feature or the command that uses it, never by ``import ddpkit``.
 EXTRAS = (
-    "ddpkit._launch.forkserver", "ddpkit._launch.rendezvous.backend",
-    "ddpkit._launch.rendezvous.auth", "ddpkit._launch.k8s",
-    "ddpkit._launch.sbatch", "ddpkit.snapshot._memory", "ddpkit.snapshot._slots",
+    "ddpkit._launch.agent.forkserver", "ddpkit._launch.rendezvous.backend",
+    "ddpkit._launch.rendezvous.auth", "ddpkit._launch.cli.k8s",
+    "ddpkit._launch.cli.sbatch", "ddpkit.snapshot._memory", "ddpkit.snapshot._slots",
     "ddpkit.tools", "ddpkit.search", "ddpkit.data._stream_sources", "ddpkit.data._stream",
 )  # fmt: skip
 LOADED = "import sys\n{}\nprint(' '.join(sorted(m for m in sys.modules if m in {!r})))"

@@ -36,10 +36,11 @@ from ddpkit.distributed import _progress as progress
 from ddpkit.distributed import _runtime as runtime
 from ddpkit.distributed import _seeding as seeding
 from ddpkit.distributed import _signals as signals
-from ddpkit._launch import recover, worker
-from ddpkit._launch import agent
-from ddpkit._launch import forkserver as forked
-from ddpkit._launch import spawn
+from ddpkit._launch.recover import inplace as recover
+from ddpkit._launch.agent import worker
+from ddpkit._launch.agent import agent
+from ddpkit._launch.agent import forkserver as forked
+from ddpkit.distributed import _spawn as spawn
 from ddpkit._launch.rendezvous import backend
 from ddpkit.data import _loader as loader
 from ddpkit.nn import _dropout as dropout

@@ -1,5 +1,5 @@
 """Starting a job: ``ddpkit run``, ``ddpkit sbatch``, ``ddpkit k8s`` and :func:`ddpkit.spawn`.
-``import ddpkit`` imports :mod:`~ddpkit._launch.spawn` alone."""
+``import ddpkit`` imports :mod:`~ddpkit.distributed._spawn` alone."""
 
 import sys
 

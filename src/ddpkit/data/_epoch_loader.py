@@ -25,10 +25,10 @@ from ddpkit.platforms import _torchrun as torchrun
 
 def serve_stacks(worker_id: int, then: Callable[[int], None] | None = None) -> None:
     """A loader's ``worker_init_fn``: under ``ddpkit run`` the loader worker answers stack requests
-    (:func:`ddpkit._launch.worker.serve_stacks`, as ``rank<RANK>-loader<ID>``), then ``then`` (the
-    user's own ``worker_init_fn``, if any) runs."""
-    if os.environ.get("DDPKIT_STACK_DIR"):  # under ddpkit run (ddpkit._launch.worker)
-        from ddpkit._launch.worker import serve_stacks
+    (:func:`ddpkit._launch.agent.worker.serve_stacks`, as ``rank<RANK>-loader<ID>``), then
+    ``then`` (the user's own ``worker_init_fn``, if any) runs."""
+    if os.environ.get("DDPKIT_STACK_DIR"):  # under ddpkit run (ddpkit._launch.agent.worker)
+        from ddpkit._launch.agent.worker import serve_stacks
 
         # the worker loads its data all the same; asked, it does not answer
         with contextlib.suppress(Exception):

@@ -36,9 +36,9 @@ import torch
 from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError, check_types
 from ddpkit._internals.compiler import import_dynamo
-from ddpkit._launch.options import MAX_NPROC
-from ddpkit._launch.spawn import spawn
+from ddpkit._launch.cli.options import MAX_NPROC
 from ddpkit.distributed._runtime import init
+from ddpkit.distributed._spawn import spawn
 from ddpkit.platforms._cpus import cpu_count
 from ddpkit.strategies._prepare import GRADIENT_AS_BUCKET_VIEW
 from ddpkit.tools import _measure as measure

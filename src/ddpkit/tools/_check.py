@@ -26,14 +26,14 @@ from torch.utils.data import DataLoader, Dataset
 from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError, check_types
 from ddpkit._internals.compiler import import_dynamo
-from ddpkit._launch import options
-from ddpkit._launch.options import MAX_NPROC, argument
-from ddpkit._launch.spawn import spawn
+from ddpkit._launch.cli import options
+from ddpkit._launch.cli.options import MAX_NPROC, argument
 from ddpkit.data import ShardedBatchSampler, to_device
 from ddpkit.data._loader import SampleSeeder, batch_len
 from ddpkit.distributed._collectives import all_gather_object, broadcast_object
 from ddpkit.distributed._runtime import get_runtime, init
 from ddpkit.distributed._seeding import mix_seed, seed_everything
+from ddpkit.distributed._spawn import spawn
 from ddpkit.nn._dropout import BatchLayout, batch_layout, convert_dropout
 from ddpkit.strategies._prepare import prepare_model, unwrap
 from ddpkit.tools._workload import BUILTINS, HOOK, MAX_STEPS, Workload, load_workload

@@ -84,7 +84,7 @@ def internals_state() -> dict[str, str]:
 
 def collect(live: bool = True) -> dict[str, Any]:
     from ddpkit import __version__
-    from ddpkit._launch.options import resolve_nproc
+    from ddpkit._launch.cli.options import resolve_nproc
     from ddpkit.data import default_num_workers
 
     gpus = torch.cuda.device_count()
@@ -134,7 +134,7 @@ def collect(live: bool = True) -> dict[str, Any]:
 
 
 def _run_live_check(nprocs: int, device: str | None) -> str:
-    from ddpkit._launch.spawn import spawn
+    from ddpkit.distributed._spawn import spawn
 
     start = time.perf_counter()
     try:

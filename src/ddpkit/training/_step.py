@@ -371,7 +371,7 @@ class TrainStep:
     def optimize(self, name: str, more: bool = False) -> bool:
         """Optimizer step ``name``; ``more``: the step goes on after it (several optimizers)."""
         self.timings.before_optimizer()
-        marks.mark(Phase.OPTIMIZER)  # for the launcher's stall watch (ddpkit._launch.watch)
+        marks.mark(Phase.OPTIMIZER)  # for the launcher's stall watch (ddpkit._launch.watch.stall)
         taken = self.steps[name](self.window)
         marks.mark(Phase.USER)
         self.timings.after_optimizer(more)

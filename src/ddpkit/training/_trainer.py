@@ -496,7 +496,7 @@ class Trainer:
             for step in epoch_steps(
                 self.loader, self.sampler, accum, first, device, self.speed.timings
             ):
-                # for the launcher's stall watch (ddpkit._launch.watch)
+                # for the launcher's stall watch (ddpkit._launch.watch.stall)
                 marks.begin_step(self.step + 1)
                 taken = self.train_step(step)  # ddpkit.training._step
                 self.state.cursor = step.cursor

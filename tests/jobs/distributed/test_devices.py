@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit._launch.launcher import flight_recorder_vars
+from ddpkit._launch.cli.run import flight_recorder_vars
 from ddpkit.testing import run_job
 from tests.device_support import SCRIPTS, device_env
 
@@ -29,7 +29,7 @@ def test_the_flight_record_goes_to_the_runs_stacks_folder_and_the_summary_names_
         )
 
     from ddpkit._errors import ConfigError
-    from ddpkit._launch.launcher import check_debug_collectives
+    from ddpkit._launch.cli.run import check_debug_collectives
 
     try:
         check_debug_collectives()

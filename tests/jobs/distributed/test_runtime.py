@@ -265,8 +265,8 @@ if __name__ == "__main__":
 @pytest.mark.timeout(120)
 @pytest.mark.heavy
 def test_init_again_after_shutdown(run_python):
-    # shutdown() promises that init() may be called again. Under ddpkit._launch.spawn (and torchrun)
-    # the rendezvous store outlives the group, so a second group must not read the first group's
+    # shutdown() promises that init() may be called again. Under ddpkit.spawn (and torchrun) the
+    # rendezvous store outlives the group, so a second group must not read the first group's
     # keys. The broken case can hang beyond the group timeout, so it runs in a subprocess that is
     # killed with its ranks after 45 s.
     proc = run_python(REINIT, timeout=45)

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpkit._launch import k8s
+from ddpkit._launch.cli import k8s
 from ddpkit.testing import run_job, wait_until
 from tests.jobs.launch import netns
 from tests.jobs.launch.netns import DDPKIT, ROOT

@@ -400,7 +400,7 @@ def _fork_servers(parent: int) -> list[int]:
     found = []
     for pid in map(int, children):
         with contextlib.suppress(OSError):
-            if b"ddpkit._launch.forkserver\x00" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if b"ddpkit._launch.agent.forkserver\x00" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 found.append(pid)
     return found
 
@@ -539,7 +539,7 @@ def test_sigusr1_to_the_launcher_reaches_the_workers(clean_env, tmp_path):
         "2",
     ]
     proc = _start(
-        ["-m", "ddpkit._launch.worker", PROBE, "hold-usr1", str(folder)], clean_env,
+        ["-m", "ddpkit._launch.agent.worker", PROBE, "hold-usr1", str(folder)], clean_env,
         torchrun=torchrun,
     )  # fmt: skip
     pids = _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
@@ -607,7 +607,7 @@ def test_mismatched_collectives_are_named_by_the_stall_watch_or_debug_collective
     with torch's DETAIL mode where that mode works, and is refused with the reason where it
     crashes DDP (torch 2.13's CPU wheel)."""
     from ddpkit._errors import ConfigError
-    from ddpkit._launch.launcher import check_debug_collectives
+    from ddpkit._launch.cli.run import check_debug_collectives
 
     watch = ["--stall-timeout", "3", "--collective-timeout", "20"]
     out = run_job(PROBE, "mismatch", launcher_args=watch, env=clean_env, timeout=120)
@@ -663,7 +663,7 @@ def test_sigterm_to_the_launcher_lets_the_workers_save_and_exit_75(clean_env, tm
         "2",
     ]
     proc = _start(
-        ["-m", "ddpkit._launch.worker", PROBE, "hold-term", str(folder)], clean_env,
+        ["-m", "ddpkit._launch.agent.worker", PROBE, "hold-term", str(folder)], clean_env,
         torchrun=torchrun,
     )  # fmt: skip
     _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)

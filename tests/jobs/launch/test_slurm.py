@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpkit._launch.sbatch import BatchConfig, batch_script, submit
+from ddpkit._launch.cli.sbatch import BatchConfig, batch_script, submit
 from ddpkit.testing import wait_until
 from tests.trainer_checks import newest_snapshot
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit._launch import worker
+from ddpkit._launch.agent import worker
 from ddpkit.testing import start_job, wait_until, without_launch_env
 
 pytestmark = [
@@ -136,8 +136,8 @@ ddpkit.shutdown()
 # workers are gone.
 OLD_LAUNCHER = """
 import os, signal
-from ddpkit._launch import agent, worker
-
+from ddpkit._launch.agent import agent
+from ddpkit._launch.agent import worker
 if os.environ.get("OLD_FORWARD"):
     def forward(folder):
         for pid in agent.Agent.current.worker_pids() if agent.Agent.current else []:

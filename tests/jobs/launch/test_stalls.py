@@ -359,7 +359,7 @@ def test_debug_collectives_is_refused_where_torchs_detail_mode_crashes(dirs, env
     CPU wheel): ``--debug-collectives`` is tried first and refused with the reason, before any
     worker starts. Where it works, the job runs with it."""
     from ddpkit._errors import ConfigError
-    from ddpkit._launch.launcher import check_debug_collectives
+    from ddpkit._launch.cli.run import check_debug_collectives
 
     try:
         check_debug_collectives()

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import ddpkit
-from ddpkit._launch.launcher import flight_recorder_vars
+from ddpkit._launch.cli.run import flight_recorder_vars
 
 mode, rest = sys.argv[1], sys.argv[2:]
 BUFFER_SIZE, DUMP_FILE = flight_recorder_vars()

@@ -100,7 +100,10 @@ if mode in ("kill-first", "kill-server-first") and attempt == 0 and rank == 1:
     if mode == "kill-server-first":
         agent = os.getppid()
         for child in Path(f"/proc/{agent}/task/{agent}/children").read_text().split():
-            if b"ddpkit._launch.forkserver\x00" in Path(f"/proc/{child}/cmdline").read_bytes():
+            if (
+                b"ddpkit._launch.agent.forkserver\x00"
+                in Path(f"/proc/{child}/cmdline").read_bytes()
+            ):
                 os.kill(int(child), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
 finish.set()

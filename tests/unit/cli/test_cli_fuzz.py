@@ -111,7 +111,7 @@ def hostile_values(tmp_path: Path) -> dict[str, str]:
 def stand_ins(monkeypatch, tmp_path):
     """Stop each command where its work would start; restore what ``ddpkit run`` sets in this
     process."""
-    import ddpkit._launch.launcher as launcher
+    import ddpkit._launch.cli.run as launcher
     import ddpkit.tools._bench as bench
     import ddpkit.tools._check as check
 

@@ -20,7 +20,7 @@ import ddpkit
 import ddpkit.data
 import ddpkit.distributed._seeding
 from ddpkit._errors import ConfigError
-from ddpkit._launch.launcher import flight_recorder_vars
+from ddpkit._launch.cli.run import flight_recorder_vars
 from ddpkit.data._loader import Held, seed_sample
 from ddpkit.distributed._runtime import Runtime, _pick_backend, _pick_device
 from ddpkit.distributed._seeding import rng_state, set_rng_state, stream_seed
@@ -261,8 +261,8 @@ def test_the_all_reduce_span_on_a_gpu_is_read_from_cuda_events(monkeypatch):
 
 
 def test_debug_collectives_asks_for_the_flight_recorder():
-    from ddpkit._launch.launcher import worker_env
-    from ddpkit._launch.options import LaunchConfig
+    from ddpkit._launch.cli.options import LaunchConfig
+    from ddpkit._launch.cli.run import worker_env
 
     buffer, _ = flight_recorder_vars()
     env = worker_env(LaunchConfig(script="t.py", debug_collectives=True), 2)
@@ -279,7 +279,7 @@ def test_spawn_starts_new_interpreters_once_the_autograd_engine_has_device_threa
 
     from ddpkit._internals.compiler import autograd_device_threads
     from ddpkit._internals.interpreter import prctl
-    from ddpkit._launch import spawn
+    from ddpkit.distributed import _spawn as spawn
 
     if not os.path.isdir("/proc/self/task"):
         pytest.skip("thread names are read from /proc/self/task")

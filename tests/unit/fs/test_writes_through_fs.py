@@ -24,7 +24,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ): "prune: the marker first, relative to a descriptor of its step folder opened O_NOFOLLOW "
     "(a link has none); the folder then goes by ddpkit._fs.remove_tree_in",
     (
-        "_launch/forkserver.py",
+        "_launch/agent/forkserver.py",
         "os.open",
     ): "os.devnull opened read-write for a child's standard streams",
     (

@@ -8,10 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-from ddpkit._launch import agent as agent_module
-from ddpkit._launch import failure, watch
-from ddpkit._launch.agent import Agent
-from ddpkit._launch.failure import Left, summarize_failure
+from ddpkit._launch.agent import agent as agent_module
+from ddpkit._launch.agent import failure
+from ddpkit._launch.agent.agent import Agent
+from ddpkit._launch.agent.failure import Left, summarize_failure
+from ddpkit._launch.watch import stall as watch
 from ddpkit.distributed._progress import MAGIC, RECORD, Phase
 
 LOST = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1"

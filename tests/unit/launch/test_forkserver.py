@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit._launch.forkserver import (
+from ddpkit._launch.agent.forkserver import (
     JOB_SIGNALS,
     ForkedProcess,
     _is_worker_command,
@@ -21,7 +21,7 @@ from ddpkit._launch.forkserver import (
     exit_status,
     ignored_signals,
 )
-from ddpkit._launch.options import build_parser, config_from_args
+from ddpkit._launch.cli.options import build_parser, config_from_args
 
 pytestmark = [
     pytest.mark.heavy,
@@ -40,7 +40,7 @@ def test_exit_status_is_the_interpreters(capsys):
 
 END = """
 import atexit, sys, threading, time
-from ddpkit._launch.forkserver import run_as_main
+from ddpkit._launch.agent.forkserver import run_as_main
 atexit.register(lambda: print("atexit", flush=True))
 def main():
     # Ends after main.
@@ -121,7 +121,7 @@ def test_a_forked_workers_signals_are_those_of_a_new_interpreter(ignored):
 GAP = """
 import os, signal
 from ddpkit._launch import proctree
-from ddpkit._launch import forkserver as forked
+from ddpkit._launch.agent import forkserver as forked
 forked.PRELOAD = ()  # nothing to import: the fork is what is tested
 proctree.become_subreaper()  # this process is the agent, which adopts its forked workers
 server = forked.ForkServer({preload!r})
@@ -198,19 +198,21 @@ def test_a_forked_process_answers_as_a_popen(monkeypatch, pidfds):
 
 
 def test_only_the_launchers_worker_command_is_forked():
-    assert _is_worker_command([sys.executable, "-u", "-m", "ddpkit._launch.worker", "train.py"])
+    assert _is_worker_command(
+        [sys.executable, "-u", "-m", "ddpkit._launch.agent.worker", "train.py"]
+    )
     assert not _is_worker_command([sys.executable, "-u", "train.py"])  # not the launcher's command
     assert not _is_worker_command(
-        ["numactl", "-N", "0", sys.executable, "-u", "-m", "ddpkit._launch.worker", "t.py"]
+        ["numactl", "-N", "0", sys.executable, "-u", "-m", "ddpkit._launch.agent.worker", "t.py"]
     )
     assert not _is_worker_command(
-        ["/usr/bin/other-python", "-u", "-m", "ddpkit._launch.worker", "t.py"]
+        ["/usr/bin/other-python", "-u", "-m", "ddpkit._launch.agent.worker", "t.py"]
     )
     # Another virtual environment on the same interpreter (torchrun's PYTHON_EXEC): its own
     # site-packages.
     if os.path.realpath(sys.executable) != sys.executable:
         assert not _is_worker_command(
-            [os.path.realpath(sys.executable), "-u", "-m", "ddpkit._launch.worker", "t.py"]
+            [os.path.realpath(sys.executable), "-u", "-m", "ddpkit._launch.agent.worker", "t.py"]
         )
 
 

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from ddpkit._errors import ConfigError
-from ddpkit._launch import k8s
+from ddpkit._launch.cli import k8s
 
 HERE = Path(__file__).resolve().parent / "k8s"
 SCHEMAS = {

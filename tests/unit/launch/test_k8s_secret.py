@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from ddpkit._errors import ConfigError
-from ddpkit._launch import k8s
+from ddpkit._launch.cli import k8s
 from ddpkit._launch.rendezvous import auth
 from ddpkit._launch.rendezvous.auth import SECRET_ENV, SECRET_FILE_ENV, load_secret
 

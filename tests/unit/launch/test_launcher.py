@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from ddpkit._errors import ConfigError
-from ddpkit._launch.launcher import torchrun_argv, worker_env
-from ddpkit._launch.options import LaunchConfig, resolve_nproc
+from ddpkit._launch.cli.options import LaunchConfig, resolve_nproc
+from ddpkit._launch.cli.run import torchrun_argv, worker_env
 
 HELLO = str(Path(__file__).parents[2] / "jobs" / "scripts" / "hello.py")
 
@@ -23,7 +23,7 @@ def _in_tmp_path(tmp_path, monkeypatch):
 
 
 def test_script_arguments_are_the_scripts_even_when_they_look_like_ours():
-    from ddpkit._launch.options import build_parser, split_argv
+    from ddpkit._launch.cli.options import build_parser, split_argv
 
     build_parser()
     ours, theirs = split_argv(
@@ -54,7 +54,7 @@ def test_single_node_uses_a_free_loopback_port_and_shows_rank_zero_only():
     # Local ranks 1.. go to files through the logs spec (torchrun's --redirects takes one-digit
     # ranks only).
     assert "--redirects" not in argv and "--tee" not in argv
-    assert argv[-5:] == ["-m", "ddpkit._launch.worker", "train.py", "--lr", "1"]
+    assert argv[-5:] == ["-m", "ddpkit._launch.agent.worker", "train.py", "--lr", "1"]
 
 
 def test_all_ranks_tees_with_a_rank_prefix():
@@ -90,9 +90,9 @@ def test_module_mode_and_restarts():
     cfg = LaunchConfig(script="pkg.train", module=True, max_restarts=3)
     argv = torchrun_argv(cfg, nproc=1)
     assert argv[argv.index("--max-restarts") + 1] == "3"
-    assert argv[-4:] == ["-m", "ddpkit._launch.worker", "-m", "pkg.train"]
-    # Always: the workers' store is rank 0's, bound to MASTER_ADDR (ddpkit._launch.worker), fresh at
-    # each attempt.
+    assert argv[-4:] == ["-m", "ddpkit._launch.agent.worker", "-m", "pkg.train"]
+    # Always: the workers' store is rank 0's, bound to MASTER_ADDR (ddpkit._launch.agent.worker),
+    # fresh at each attempt.
     assert worker_env(cfg, 1)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert worker_env(LaunchConfig(script="t.py"), 1)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
 
@@ -156,7 +156,7 @@ def test_a_multi_node_job_without_a_secret_stops_before_anything_listens(
 
 @pytest.mark.parametrize("nproc", ["99999999999999999999", "1" * 5000, "5000", "1025"])
 def test_nproc_is_bounded_before_anything_is_built(nproc, capsys, monkeypatch):
-    import ddpkit._launch.launcher as launcher
+    import ddpkit._launch.cli.run as launcher
     from ddpkit.cli import main
 
     def built(*args, **kwargs):
@@ -173,7 +173,7 @@ def test_nproc_is_bounded_before_anything_is_built(nproc, capsys, monkeypatch):
 def test_nproc_above_four_per_core_needs_oversubscribe(monkeypatch, capsys):
     import torch
 
-    import ddpkit._launch.launcher as launcher
+    import ddpkit._launch.cli.run as launcher
     from ddpkit.cli import main
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -218,7 +218,7 @@ def test_threads_per_worker_split_the_cores(monkeypatch):
 
 
 def test_log_folders_of_quiet_runs_are_removed_and_old_ones_pruned(tmp_path):
-    from ddpkit._launch.launcher import new_run_log_dir, tidy_log_dirs
+    from ddpkit._launch.cli.run import new_run_log_dir, tidy_log_dirs
 
     root = tmp_path / "logs"
     old = [root / f"20250101-0000{i:02d}-1" for i in range(25)]
@@ -316,7 +316,7 @@ def test_the_cause_of_a_failure_is_told_from_its_consequences():
     # Pure logic over torchrun's failure records (timestamps in whole seconds, often equal).
     from types import SimpleNamespace
 
-    from ddpkit._launch.failure import cause, exit_code
+    from ddpkit._launch.agent.failure import cause, exit_code
 
     lost = "RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1"
     cases = [
@@ -347,7 +347,7 @@ def test_a_worker_killed_otherwise_is_a_failure_even_when_the_others_saved_and_e
     # test caught this).
     from types import SimpleNamespace
 
-    from ddpkit._launch.failure import preempted
+    from ddpkit._launch.agent.failure import preempted
 
     def failures(*codes):
         return {rank: SimpleNamespace(exitcode=code) for rank, code in enumerate(codes)}
@@ -363,7 +363,7 @@ def test_a_worker_killed_otherwise_is_a_failure_even_when_the_others_saved_and_e
 def test_line_tagger_writes_whole_lines_and_throttles_redraws():
     import io
 
-    from ddpkit._launch.tail import PROGRESS_EVERY, LineTagger
+    from ddpkit._launch.cli.tail import PROGRESS_EVERY, LineTagger
 
     now = [100.0]
     dst = io.StringIO()
@@ -410,7 +410,7 @@ def test_a_workers_error_file_is_written_whole_or_not_at_all(tmp_path, monkeypat
 
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, ProcessFailure
 
-    from ddpkit._launch.worker import WholeErrorFile
+    from ddpkit._launch.agent.worker import WholeErrorFile
 
     def record(handler: ErrorHandler, name: str) -> Path:
         path = tmp_path / name
@@ -459,7 +459,7 @@ def test_a_scripts_own_record_stopped_half_way_never_leaves_the_agent_a_truncate
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     from ddpkit._internals.elastic import record_with
-    from ddpkit._launch.worker import WholeErrorFile
+    from ddpkit._launch.agent.worker import WholeErrorFile
 
     agent = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(agent))

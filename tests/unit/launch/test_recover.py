@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit._errors import PREEMPTED_EXIT_CODE, ConfigError
-from ddpkit._launch import recover
+from ddpkit._launch.recover import inplace as recover
 from ddpkit.testing import run_on_ranks
 
 
@@ -61,7 +61,8 @@ def test_cutting_a_ranks_links_ends_its_peers_pending_gloo_collective_and_abort_
 
 
 class FakeAgent:
-    """The agent as :class:`~ddpkit._launch.recover.InPlace` sees it: each rank's exit code."""
+    """The agent as :class:`~ddpkit._launch.recover.inplace.InPlace` sees it: each rank's exit
+    code."""
 
     def __init__(self, codes: dict[int, int | None], restarts: int = 2) -> None:
         self.codes, self.restarts, self.max, self.replaced = codes, restarts, restarts, []
@@ -149,8 +150,8 @@ def test_a_rank_that_does_not_leave_in_time_is_stopped_and_replaced(tmp_path):
 
 
 def test_in_place_recovery_needs_a_restart_budget_and_covers_several_nodes(tmp_path, monkeypatch):
-    from ddpkit._launch.launcher import in_place_recovery
-    from ddpkit._launch.options import LaunchConfig
+    from ddpkit._launch.cli.options import LaunchConfig
+    from ddpkit._launch.cli.run import in_place_recovery
 
     monkeypatch.setenv(recover.DIR_ENV, "")  # set by the agent's side: put back after the test
 

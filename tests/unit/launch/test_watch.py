@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 
 from ddpkit._errors import ConfigError
-from ddpkit._launch import watch
-from ddpkit._launch.failure import cause, summarize_failure
-from ddpkit._launch.options import build_parser, config_from_args
+from ddpkit._launch.agent.failure import cause, summarize_failure
+from ddpkit._launch.cli.options import build_parser, config_from_args
+from ddpkit._launch.watch import stall as watch
 from ddpkit.distributed import _progress as progress
 from ddpkit.distributed._progress import MAGIC, RECORD, Phase
 

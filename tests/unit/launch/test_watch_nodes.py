@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from ddpkit._launch import watch, watch_nodes
-from ddpkit._launch.watch_nodes import View, decide, decode, encode
+from ddpkit._launch.watch import stall as watch
+from ddpkit._launch.watch import verdict as watch_nodes
+from ddpkit._launch.watch.verdict import View, decide, decode, encode
 from ddpkit.distributed._progress import MAGIC, RECORD, Phase
 from ddpkit.testing import wait_until
 

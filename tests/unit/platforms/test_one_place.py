@@ -26,8 +26,8 @@ PLATFORM_VARIABLE = re.compile(
 ALLOWED = {
     "platforms": "the platforms themselves",
     "tools/_env.py": "`ddpkit env` lists the variables that are set",
-    "_launch/sbatch.py": "writes the batch script that SLURM reads",
-    "_launch/k8s.py": "writes the manifests whose operators set the variables",
+    "_launch/cli/sbatch.py": "writes the batch script that SLURM reads",
+    "_launch/cli/k8s.py": "writes the manifests whose operators set the variables",
     "_internals/store.py": "torch's private switch to the agent's store, behind the seam's check",
 }
 """Files (or folders) of the package that may name platform variables, and why."""
@@ -104,11 +104,11 @@ def test_a_module_that_reads_slurm_ntasks_is_flagged_by_file_and_line(tmp_path: 
     read."""
     copy = _copy(
         tmp_path,
-        "_launch/launcher.py",
+        "_launch/cli/run.py",
         '\n\ndef tasks():\n    return os.environ.get("SLURM_NTASKS")\n',
     )
     line = len(copy.read_text().splitlines())
-    assert readers(tmp_path / "ddpkit") == [f"_launch/launcher.py:{line}: 'SLURM_NTASKS'"]
+    assert readers(tmp_path / "ddpkit") == [f"_launch/cli/run.py:{line}: 'SLURM_NTASKS'"]
 
 
 def test_reads_in_other_forms_are_flagged_and_writes_are_not(tmp_path: Path) -> None:
@@ -126,14 +126,14 @@ def reads(env):
     os.environ.pop("GROUP_WORLD_SIZE", None)
     return {"WORLD_SIZE": "2"}, a, b, c, d
 """
-    copy = _copy(tmp_path, "_launch/worker.py", reads)
+    copy = _copy(tmp_path, "_launch/agent/worker.py", reads)
     first = len(copy.read_text().splitlines()) - 8  # the line of `def reads`
     assert readers(tmp_path / "ddpkit") == [
-        f"_launch/worker.py:{first + 2}: 'RANK'",
-        f"_launch/worker.py:{first + 3}: 'MASTER_ADDR'",
-        f"_launch/worker.py:{first + 4}: 'PET_'",
-        f"_launch/worker.py:{first + 5}: 'OMPI_COMM_WORLD_RANK'",
-        f"_launch/worker.py:{first + 5}: 'NSLOTS'",
+        f"_launch/agent/worker.py:{first + 2}: 'RANK'",
+        f"_launch/agent/worker.py:{first + 3}: 'MASTER_ADDR'",
+        f"_launch/agent/worker.py:{first + 4}: 'PET_'",
+        f"_launch/agent/worker.py:{first + 5}: 'OMPI_COMM_WORLD_RANK'",
+        f"_launch/agent/worker.py:{first + 5}: 'NSLOTS'",
     ]
 
 

@@ -10,7 +10,7 @@ import pytest
 
 import ddpkit
 from ddpkit._errors import ConfigError
-from ddpkit._launch.options import with_environment_defaults
+from ddpkit._launch.cli.options import with_environment_defaults
 from ddpkit.distributed import _runtime as runtime
 from ddpkit.distributed._environment import read_launch_env
 from ddpkit.platforms import _kubernetes as k8s

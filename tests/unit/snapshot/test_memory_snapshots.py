@@ -279,7 +279,7 @@ def test_a_rank_without_state_is_served_by_a_rank_that_holds_every_ranks_part():
 def test_the_stall_watchs_records_go_in_the_job_folder_even_with_memory_snapshots_off(
     tmp_path, monkeypatch
 ):
-    from ddpkit._launch import watch
+    from ddpkit._launch.watch import stall as watch
 
     monkeypatch.setenv(mf.ROOT_ENV, str(tmp_path))
     for name in (mf.DIR_ENV, mf.KEY_ENV, mf.UNAVAILABLE_ENV, watch.DIR_ENV):

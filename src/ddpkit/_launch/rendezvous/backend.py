@@ -112,7 +112,7 @@ class WorkersStoreHandler:
     def next_rendezvous(self) -> RendezvousInfo:
         self._rounds += 1
         if self._in_place is not None and self._rounds == 1:
-            from ddpkit._launch import recover
+            from ddpkit._launch.recover import inplace as recover
 
             place = self._in_place
             wait = place.timeout + recover.LOST_AFTER + recover.GRACE
@@ -141,7 +141,7 @@ class WorkersStoreHandler:
         served, addr, token = store.get(self._KEY).decode().split(" ", 2)
         self.round_name = f"ddpkit/round/{token}"
         if self._in_place is not None:
-            from ddpkit._launch import recover
+            from ddpkit._launch.recover import inplace as recover
 
             # a node new to the job counts on from the others' recoveries, its workers too
             closed = recover.Nodes(self.base).closed()

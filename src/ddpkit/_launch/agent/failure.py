@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddpkit._errors import PREEMPTED_EXIT_CODE
-from ddpkit._launch import watch
+from ddpkit._launch.watch import stall as watch
 
 
 def _describe(

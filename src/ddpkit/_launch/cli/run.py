@@ -15,8 +15,10 @@ from typing import Any
 
 from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
-from ddpkit._launch import agent, failure, proctree, recover, say, tail, watch
-from ddpkit._launch.options import (
+from ddpkit._launch import proctree, say
+from ddpkit._launch.agent import agent, failure
+from ddpkit._launch.cli import tail
+from ddpkit._launch.cli.options import (
     LaunchConfig,
     build_parser,
     check_script,
@@ -27,7 +29,9 @@ from ddpkit._launch.options import (
     split_argv,
     with_environment_defaults,
 )
+from ddpkit._launch.recover import inplace as recover
 from ddpkit._launch.rendezvous import NodeAddress, interface_of, node_address, wait_reachable
+from ddpkit._launch.watch import stall as watch
 from ddpkit.platforms import _slurm as slurm
 from ddpkit.platforms import _torchrun as torchrun
 from ddpkit.platforms._cpus import cpu_count
@@ -73,7 +77,7 @@ def torchrun_argv(
         argv += ["--log-dir", run_log_dir]
     if cfg.all_ranks:
         argv += ["--tee", "3"]
-    worker = ["-m", "ddpkit._launch.worker", *(["-m"] if cfg.module else [])]
+    worker = ["-m", "ddpkit._launch.agent.worker", *(["-m"] if cfg.module else [])]
     return argv + worker + [cfg.script, *cfg.script_args]
 
 

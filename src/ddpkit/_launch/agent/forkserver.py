@@ -188,9 +188,11 @@ def _become_worker(
         torch = sys.modules.get("torch")
         if torch is not None:
             torch.default_generator.seed()  # from the OS, as torch's start does
-        from ddpkit._launch import worker
+        from ddpkit._launch.agent import worker
 
-        set_command_line([sys.executable, "-u", "-m", "ddpkit._launch.worker", *request["argv"]])
+        set_command_line(
+            [sys.executable, "-u", "-m", "ddpkit._launch.agent.worker", *request["argv"]]
+        )
         sys.argv = [worker.__file__, *request["argv"]]
         code = run_as_main(worker.main)
     except BaseException:  # noqa: BLE001  (before the script: os._exit below says nothing)
@@ -294,7 +296,7 @@ def main(argv: Sequence[str]) -> None:
 
 READY_TIMEOUT = 300.0  # seconds the first worker waits for the server's imports
 
-_WORKER_COMMAND = ("-u", "-m", "ddpkit._launch.worker")
+_WORKER_COMMAND = ("-u", "-m", "ddpkit._launch.agent.worker")
 
 
 class ForkedProcess:
@@ -349,7 +351,13 @@ class ForkServer:
         self.failed: list[str] = []
         self._ready: bool | None = None
         modules = ",".join(dict.fromkeys([*PRELOAD, *preload]))
-        command = [sys.executable, "-u", "-m", "ddpkit._launch.forkserver", str(theirs.fileno())]
+        command = [
+            sys.executable,
+            "-u",
+            "-m",
+            "ddpkit._launch.agent.forkserver",
+            str(theirs.fileno()),
+        ]
         self.proc = subprocess.Popen(
             [*command, str(os.getpid()), modules, "--", *display],
             pass_fds=[theirs.fileno()],
@@ -381,7 +389,7 @@ class ForkServer:
     def spawn(
         self, argv: Sequence[str], env: dict[str, str], cwd: str, files: Sequence[int]
     ) -> int | None:
-        """Fork a worker running ``python -u -m ddpkit._launch.worker ARGV`` with ``env`` in
+        """Fork a worker running ``python -u -m ddpkit._launch.agent.worker ARGV`` with ``env`` in
         ``cwd``, ``files`` its standard input, output and error; its pid, or None when the server
         cannot. The worker runs only once this process writes the word on the pipe that comes back
         with its pid: one it did not take exits."""
@@ -491,7 +499,7 @@ def _fork(handler: Any, args: Sequence[str], env: dict[str, str]) -> Any:
 
 
 def _is_worker_command(args: Sequence[str]) -> bool:
-    """``python -u -m ddpkit._launch.worker ...`` with this very interpreter."""
+    """``python -u -m ddpkit._launch.agent.worker ...`` with this very interpreter."""
     return (
         len(args) > len(_WORKER_COMMAND)
         and args[0] == sys.executable

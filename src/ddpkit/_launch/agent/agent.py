@@ -19,10 +19,13 @@ from torch.distributed.elastic.agent.server.api import WorkerState
 from ddpkit import _fs as fs
 from ddpkit._errors import PREEMPTED_EXIT_CODE, ConfigError
 from ddpkit._internals.elastic import HookedAgent, use_agent
-from ddpkit._launch import forkserver as forked
-from ddpkit._launch import recover, say, watch, worker
-from ddpkit._launch.failure import Left, preempted, summarize_failure
+from ddpkit._launch import say
+from ddpkit._launch.agent import forkserver as forked
+from ddpkit._launch.agent import worker
+from ddpkit._launch.agent.failure import Left, preempted, summarize_failure
 from ddpkit._launch.proctree import kill_descendants, send
+from ddpkit._launch.recover import inplace as recover
+from ddpkit._launch.watch import stall as watch
 from ddpkit.distributed._progress import Phase
 from ddpkit.snapshot import _slots as memory_folder
 

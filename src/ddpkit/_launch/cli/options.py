@@ -384,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(ns: argparse.Namespace, script_args: Sequence[str] = ()) -> LaunchConfig:
     """``ddpkit run``'s :class:`LaunchConfig` of its parsed command line."""
-    from ddpkit._launch.watch import parse_floor  # the watch's reading, as of its variable
+    from ddpkit._launch.watch.stall import parse_floor  # the watch's reading, as of its variable
 
     def items(values: list[str] | None) -> list[str]:
         return [item for value in values or [] for item in value.split(",") if item]

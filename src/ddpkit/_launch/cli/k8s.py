@@ -16,8 +16,8 @@ from typing import Any, Literal, get_args
 
 from ddpkit import _fs as fs
 from ddpkit._errors import PREEMPTED_EXIT_CODE, ConfigError
-from ddpkit._launch import options
-from ddpkit._launch.options import argument
+from ddpkit._launch.cli import options
+from ddpkit._launch.cli.options import argument
 from ddpkit._launch.rendezvous.auth import MAKE_SECRET, SECRET_ENV, SECRET_FILE_ENV
 
 Kind = Literal["trainjob", "pytorchjob", "jobset"]

@@ -1,4 +1,4 @@
-"""What ``ddpkit run`` starts in each worker (``python -m ddpkit._launch.worker [-m] TARGET
+"""What ``ddpkit run`` starts in each worker (``python -m ddpkit._launch.agent.worker [-m] TARGET
 ARGS...``): the user's script, its exception recorded for the launcher, with the worker tied to the
 agent, its guard, SIGUSR1 held and stack requests answered (:func:`serve_stacks`)."""
 
@@ -32,8 +32,8 @@ from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
 from ddpkit._internals.elastic import record_with
 from ddpkit._internals.interpreter import current_frames
-from ddpkit._launch import recover
 from ddpkit._launch.proctree import set_parent_death_signal, start_guard
+from ddpkit._launch.recover import inplace as recover
 from ddpkit.distributed._progress import watch_torch_collectives
 from ddpkit.distributed._signals import hold_stop_signals
 from ddpkit.platforms import _torchrun as torchrun
@@ -46,7 +46,7 @@ NO_ANSWER = "(no answer within {wait:g} s: a process holding the GIL cannot answ
 _TOKEN = re.compile(r"[0-9a-f]{16}")
 _TOKENS_KEPT = 64  # an answer names the last requests its process read, its own among them
 _SKIPPED = (
-    "ddpkit/_launch/worker.py", "ddpkit/_launch/forkserver.py", "<frozen runpy>",
+    "ddpkit/_launch/agent/worker.py", "ddpkit/_launch/agent/forkserver.py", "<frozen runpy>",
     "elastic/multiprocessing",
 )  # fmt: skip
 """Frames of the launch machinery, left out of a stack as shown."""
@@ -290,7 +290,7 @@ def main() -> None:
     if as_module:
         argv = argv[1:]
     if not argv:
-        raise SystemExit("usage: python -m ddpkit._launch.worker [-m] TARGET [ARGS...]")
+        raise SystemExit("usage: python -m ddpkit._launch.agent.worker [-m] TARGET [ARGS...]")
     # SIGKILLed when the agent dies (Linux); if it died before prctl, no signal will come
     agent = int(os.environ.get("DDPKIT_AGENT_PID", os.getppid()))
     if set_parent_death_signal(signal.SIGKILL) and os.getppid() != agent:

@@ -741,7 +741,7 @@ class InPlace:
         for rank in incident.replaced:
             agent.replace_worker(by_rank[rank], {GO_ENV: str(path), **env})
         agent.recovered()
-        from ddpkit._launch.launcher import signal_name  # the launcher imports this module
+        from ddpkit._launch.cli.run import signal_name  # the launcher imports this module
 
         kinds = [
             f"rank {r} (killed by {signal_name(-c)})" if c < 0 else f"rank {r} (exit code {c})"

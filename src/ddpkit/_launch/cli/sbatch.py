@@ -17,8 +17,8 @@ from pathlib import Path
 
 from ddpkit import _fs as fs
 from ddpkit._errors import PREEMPTED_EXIT_CODE, ConfigError
-from ddpkit._launch import options
-from ddpkit._launch.options import argument, shown
+from ddpkit._launch.cli import options
+from ddpkit._launch.cli.options import argument, shown
 
 
 @dataclass(kw_only=True)

@@ -1,6 +1,6 @@
 """The agent's stall watch: a rank that stops making progress while the others wait for it, named
 with every rank's state and stack, and killed (``on_stall="end"``). The rules: docs/launcher.md,
-"When a job hangs"; across nodes: :mod:`ddpkit._launch.watch_nodes`."""
+"When a job hangs"; across nodes: :mod:`ddpkit._launch.watch.verdict`."""
 
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ from typing import Any
 from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
 from ddpkit._launch import proctree
-from ddpkit._launch import watch_nodes as nodes
+from ddpkit._launch.agent.worker import ask_stacks
 from ddpkit._launch.proctree import state_code
-from ddpkit._launch.watch_nodes import STATES, View
-from ddpkit._launch.worker import ask_stacks
+from ddpkit._launch.watch import verdict as nodes
+from ddpkit._launch.watch.verdict import STATES, View
 from ddpkit.distributed._progress import DIR_ENV, MAGIC, OPS, RECORD, SIZE, Phase
 
 TIMEOUT_ENV = "DDPKIT_STALL_TIMEOUT"  # the floor without --stall-timeout; 0: off

@@ -1,0 +1,1 @@
+"""In-place recovery (``ddpkit run --recover in-place``, docs/recovery.md)."""
