@@ -110,10 +110,15 @@ DDPKIT_GLOBALS: dict[tuple[str, str], Any] = {
     ("ddpkit.nn._dropout", "_layout"): None,
     ("ddpkit.nn._dropout", "_calls"): {},
     ("ddpkit.snapshot._disk", "_groups"): {},
-    ("ddpkit.snapshot._slots", "_job_folder"): None,  # the agent's job folder in shared memory
+    ("ddpkit._launch.agent.jobdir", "_job_folder"): None,  # the agent's job folder
     ("ddpkit.tools._workload", "_modules"): {},
-    ("ddpkit._launch.recover.inplace", "_links"): [],
-    ("ddpkit._launch.agent.worker", "_serving"): None,
+    ("ddpkit._launch.recover.worker", "_links"): [],
+    ("ddpkit._launch.recover.worker", "_making"): [],
+    ("ddpkit._launch.recover.worker", "_worker"): None,
+    ("ddpkit.distributed._channels", "_inbox"): None,
+    ("ddpkit.distributed._channels", "_handlers"): {},
+    ("ddpkit.distributed._lifetime", "_held"): {},
+    ("ddpkit.distributed._lifetime", "_listeners"): [],
     ("ddpkit.distributed._spawn", "_store"): None,
     ("ddpkit.platforms._mpi", "_served"): None,
     ("ddpkit._launch.agent.agent", "_answering"): None,

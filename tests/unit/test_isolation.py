@@ -37,8 +37,11 @@ from ddpkit.distributed import _runtime as runtime
 from ddpkit.distributed import _seeding as seeding
 from ddpkit.distributed import _signals as signals
 from ddpkit._launch.recover import inplace as recover
-from ddpkit._launch.agent import worker
+from ddpkit._launch.recover import worker as recovering
 from ddpkit._launch.agent import agent
+from ddpkit._launch.agent import jobdir
+from ddpkit.distributed import _channels as channels
+from ddpkit.distributed import _lifetime as lifetime
 from ddpkit._launch.agent import forkserver as forked
 from ddpkit.distributed import _spawn as spawn
 from ddpkit._launch.rendezvous import backend
@@ -46,7 +49,6 @@ from ddpkit.data import _loader as loader
 from ddpkit.nn import _dropout as dropout
 from ddpkit.platforms import _mpi as mpi
 from ddpkit.snapshot import _disk as staging
-from ddpkit.snapshot import _slots as slots
 from ddpkit.tools import _workload as workload
 from tests.conftest import DDPKIT_GLOBALS
 
@@ -68,15 +70,20 @@ def test_leaves_every_global_set(tmp_path):
     workload._load_script(str(script))
     backend.register("run-1", backend.JobAccess(b"secret", None), recover.InPlace(tmp_path))
     backend._relays["run-1"] = []
-    recover._links.append((99, "socket:[1]"))  # a group's links noted by a recovering worker
+    recovering._links.append((99, "socket:[1]"))  # a group's links noted by a recovering worker
+    recovering._making.append({})  # a group being made
+    recovering._worker = object()  # a worker's part in the job's recoveries
+    channels._inbox = object()  # an inbox's state, as a worker keeps it
+    channels.on_message("incident", print)
+    lifetime.hold("a holder", print)
+    lifetime.on_resume(print)
     spawn._store = object()  # rank 0's store server of ddpkit.spawn
     mpi._served = object()  # rank 0's store server of an mpiexec job
-    worker._serving = object()  # a stack server's state, as a worker keeps it
     agent._answering = object()  # the thread an agent answers stack requests from
     forked._server = object()  # stands for the job's fork server, as the agent keeps it
     runtime._store_of = (("env://", 0, 2), object())  # a rendezvous store kept across init()s
     runtime._group_store = object()
-    slots._job_folder = tmp_path  # an agent's job folder in shared memory
+    jobdir._job_folder = tmp_path  # an agent's job folder
     # A record left mapped.
     progress._buf, progress._ints, progress._floats = object(), object(), object()
 

@@ -10,7 +10,7 @@ import importlib
 from ddpkit._internals.contract import Internal, problem
 
 MODULES = (
-    "versions", "store", "dcp", "elastic", "interpreter", "optim", "compiler", "modules",
+    "versions", "store", "dcp", "elastic", "groups", "interpreter", "optim", "compiler", "modules",
     "optuna_journal", "ray_train",
 )  # fmt: skip
 

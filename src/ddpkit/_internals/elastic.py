@@ -78,14 +78,19 @@ class HookedAgent(LocalElasticAgent):
         """Called before the workers of an attempt start: variables they start with besides."""
         return {}
 
+    def after_start(self, worker_group: Any) -> None:
+        """Called once the workers of an attempt started (not a worker replaced in place)."""
+
     def _start_workers(self, worker_group: Any) -> Any:
         extra = self.start_env(worker_group)
         os.environ.update(extra)
         try:
-            return super()._start_workers(worker_group)
+            started = super()._start_workers(worker_group)
         finally:
             for name in extra:  # the next attempt's workers start without them
                 os.environ.pop(name, None)
+        self.after_start(worker_group)
+        return started
 
     def seen_running(self) -> bool:
         """Called after :meth:`before_monitor`: True where :meth:`intercept`'s own look found every
@@ -160,11 +165,13 @@ class HookedAgent(LocalElasticAgent):
         """Restarts so far: the workers' ``TORCHELASTIC_RESTART_COUNT``, as torchrun computes it."""
         return int(self._worker_group.spec.max_restarts) - self.restarts_left()
 
-    def replace_worker(self, worker: Any, env: dict[str, str]) -> None:
-        """Start a new process for ``worker``, whose process exited, with its variables and ``env``,
-        in the attempt's process context; the exited one's logs are kept beside (``.N``)."""
+    def replace_worker(self, rank: int, env: dict[str, str]) -> None:
+        """Start a new process for the worker of global rank ``rank``, whose process exited, with
+        its variables and ``env``, in the attempt's process context; the exited one's logs are kept
+        beside (``.N``)."""
         from torch.distributed.elastic.multiprocessing import api
 
+        worker = next(w for w in self._worker_group.workers if w.global_rank == rank)
         context, local = self.process_context(), worker.local_rank
         for log in log_files(context.subprocess_handlers[local]) or ():
             if log is not None:
@@ -185,14 +192,6 @@ class HookedAgent(LocalElasticAgent):
     def stop_restarting(self) -> None:
         """Restart no worker after this: the job ends with the current attempt."""
         self._remaining_restarts = 0
-
-
-def abort_nccl_groups() -> None:
-    """Abort this process's NCCL groups (a recovery in place); nothing where they are not NCCL's."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()):
-        dist.distributed_c10d._abort_process_group()
 
 
 def _check_agent_state() -> str | None:
@@ -343,13 +342,6 @@ def _check_replace_worker() -> str | None:
     return None
 
 
-def _check_abort() -> str | None:
-    import torch.distributed as dist
-
-    found = callable(getattr(dist.distributed_c10d, "_abort_process_group", None))
-    return None if found else "torch.distributed has no _abort_process_group"
-
-
 INTERNALS = [
     Internal(
         "torch.distributed.elastic SubprocessContext._running_local_ranks / _failures, "
@@ -357,12 +349,6 @@ INTERNALS = [
         "torch",
         "--recover in-place (a replacement for a failed worker, the others kept)",
         _check_replace_worker,
-    ),
-    Internal(
-        "torch.distributed.distributed_c10d._abort_process_group",
-        "torch",
-        "--recover in-place on NCCL (a rank's collectives ended at once)",
-        _check_abort,
     ),
     Internal(
         "torch.distributed.elastic LocalElasticAgent._monitor_workers / _shutdown",

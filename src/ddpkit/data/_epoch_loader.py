@@ -18,6 +18,7 @@ from ddpkit.data._fingerprint import (
     refusal,
 )
 from ddpkit.data._sampler import ShardedBatchSampler
+from ddpkit.distributed import _channels as channels
 from ddpkit.distributed import _progress as progress
 from ddpkit.distributed._progress import Phase
 from ddpkit.platforms import _torchrun as torchrun
@@ -25,14 +26,11 @@ from ddpkit.platforms import _torchrun as torchrun
 
 def serve_stacks(worker_id: int, then: Callable[[int], None] | None = None) -> None:
     """A loader's ``worker_init_fn``: under ``ddpkit run`` the loader worker answers stack requests
-    (:func:`ddpkit._launch.agent.worker.serve_stacks`, as ``rank<RANK>-loader<ID>``), then
+    (its inbox: :func:`ddpkit.distributed._channels.serve`, as ``rank<RANK>-loader<ID>``), then
     ``then`` (the user's own ``worker_init_fn``, if any) runs."""
-    if os.environ.get("DDPKIT_STACK_DIR"):  # under ddpkit run (ddpkit._launch.agent.worker)
-        from ddpkit._launch.agent.worker import serve_stacks
-
-        # the worker loads its data all the same; asked, it does not answer
-        with contextlib.suppress(Exception):
-            serve_stacks(f"rank{torchrun.rank_text(os.environ) or 0}-loader{worker_id}")
+    # the worker loads its data all the same; asked, it does not answer
+    with contextlib.suppress(Exception):
+        channels.serve(f"rank{torchrun.rank_text(os.environ) or 0}-loader{worker_id}")
     if then is not None:
         then(worker_id)
 

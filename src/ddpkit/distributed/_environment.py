@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
 
 from ddpkit import platforms
 from ddpkit._errors import ConfigError
@@ -39,22 +37,3 @@ def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
         seconds = parse_seconds("DDPKIT_COLLECTIVE_TIMEOUT", env["DDPKIT_COLLECTIVE_TIMEOUT"])
         info = replace(info, collective_timeout=seconds)
     return info
-
-
-RECOVER_DIR_ENV = "DDPKIT_RECOVER_DIR"
-"""The job's recovery folder, set by ``ddpkit run --recover in-place`` where it applies."""
-RECOVERED_ENV = "DDPKIT_RECOVERED"
-"""The path of the agent's record of the in-place recovery a worker runs in."""
-
-
-def recovery_record(env: Mapping[str, str] | None = None) -> dict[str, Any] | None:
-    """The agent's record of the in-place recovery this worker runs in (``recovery``, ``replaced``,
-    ``restart_count``, the times ``seen``, ``left``, ``decided``); None outside one."""
-    path = (os.environ if env is None else env).get(RECOVERED_ENV)
-    if not path:
-        return None
-    try:
-        with open(path, "rb") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None

@@ -1,6 +1,7 @@
 """Where this rank is: its step, phase and collectives, in a page ``rank<RANK>.progress`` (in the
-folder :data:`DIR_ENV`) that ``ddpkit run``'s agent reads (docs/launcher.md, "When a job hangs");
-a mark is a few plain stores into it. Outside ``ddpkit run`` a mark returns at once."""
+job folder's ``progress/``: :mod:`ddpkit.distributed._channels`) that ``ddpkit run``'s agent reads
+(docs/launcher.md, "When a job hangs"); a mark is a few plain stores into it. Outside ``ddpkit
+run`` a mark returns at once."""
 
 from __future__ import annotations
 
@@ -12,13 +13,11 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
+from ddpkit import _fs as fs
+from ddpkit.distributed._channels import PROGRESS, channel
 from ddpkit.platforms import _torchrun as torchrun
-
-DIR_ENV = "DDPKIT_PROGRESS_DIR"
-"""The folder of the ranks' records on this node, set by ``ddpkit run``'s agent."""
 
 RECORD = struct.Struct("=qqqqqqqqqddd")
 """The record, in native byte order (the rank and its agent share the machine): magic, pid, op,
@@ -95,15 +94,11 @@ _clock = time.monotonic
 def _open() -> bool:
     global _opened, _buf, _ints, _floats
     _opened = True
-    folder, rank = os.environ.get(DIR_ENV), torchrun.rank_text(os.environ)
-    if not folder or rank is None or not rank.isdigit():
+    folder, rank = channel(PROGRESS), torchrun.rank_text(os.environ)
+    if folder is None or rank is None or not rank.isdigit():
         return False
-    from ddpkit import _fs as fs
-
     try:
-        fd = fs.open_fd(
-            Path(folder) / f"rank{rank}.progress", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600
-        )
+        fd = fs.open_fd(folder / f"rank{rank}.progress", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     except OSError:
         return False  # the agent's folder went away (the job is ending): nothing to report to
     try:
@@ -274,7 +269,7 @@ def watch_torch_collectives() -> list[str]:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    if not os.environ.get(DIR_ENV):
+    if channel(PROGRESS) is None:
         return []
     wrapped = []
     for op in TORCH_COLLECTIVES:

@@ -75,6 +75,7 @@ _generation = 0  # process groups this process has created, for their store pref
 _store_of: tuple[Any, Any] | None = None
 joined_at = 0.0  # time.time() when this process last made the job's process group
 _group_store: Any = None  # the store of the process group init() made, for shutdown()'s barrier
+_destroy_at_exit = False
 
 
 def _pick_device(launch: LaunchEnv, device: str | torch.device | None) -> torch.device:
@@ -190,10 +191,13 @@ def _join(launch: LaunchEnv, backend: str, dev: torch.device, timeout: timedelta
         )
     except (RuntimeError, dist.DistError) as err:
         raise _explain_init_error(err, launch) from err
-    global joined_at
+    global joined_at, _destroy_at_exit
     joined_at = time.time()
-    # for scripts that do not call shutdown(); no barrier: at exit a peer may have failed
-    atexit.register(_destroy)
+    # for scripts that do not call shutdown(); no barrier: at exit a peer may have failed. Once
+    # per process: a script run again in it (ddpkit run --recover in-place) inits again.
+    if not _destroy_at_exit:
+        _destroy_at_exit = True
+        atexit.register(_destroy)
     progress.collective_timeout(timeout.total_seconds())  # what the stall watch must beat
 
 
@@ -336,9 +340,13 @@ def _destroy(settle: bool = True) -> None:
 
 
 def forget_for_recovery() -> None:
-    """Destroy the process group of a worker that left a failed step (no barrier: a peer is gone)
-    and forget the runtime and the rendezvous store, so that :func:`init` meets the ranks afresh."""
-    global _store_of, _generation
-    with contextlib.suppress(Exception):  # a group whose connections were cut: the interpreter
-        _destroy(settle=False)  # goes on, so no settling
-    _store_of, _generation = None, 0
+    """Leave this process as before its first :func:`init` (a worker that left a failed step, to run
+    its script again): every process group destroyed and torch's count of them reset, the runtime
+    and the rendezvous store forgotten. No barrier: a peer is gone."""
+    global _runtime, _group_store, _store_of, _generation
+    from ddpkit._internals.groups import reset_process_groups
+
+    with contextlib.suppress(Exception):  # a group whose connections were cut
+        reset_process_groups()
+    _runtime = _group_store = _store_of = None
+    _generation = 0

@@ -83,6 +83,12 @@ def attempt_env(restart_count: int, master_addr: str, master_port: int) -> dict[
     }
 
 
+def restart_count(env: Mapping[str, str]) -> int:
+    """``TORCHELASTIC_RESTART_COUNT`` (0 where unset or not a number)."""
+    text = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return int(text) if text.isdigit() else 0
+
+
 def rank_text(env: Mapping[str, str]) -> str:
     """``RANK`` as set (``"0"`` where unset), for a file name."""
     return env.get("RANK", "0")

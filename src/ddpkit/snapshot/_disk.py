@@ -383,6 +383,14 @@ class DiskStore:
                 f"ddpkit: writing a snapshot in the background failed: {err!r}"
             ) from err
 
+    def abandon(self, wait: float) -> bool:
+        """A failed run's store let go: the write in flight (if any) waited for ``wait`` seconds at
+        most, its error dropped; whether none runs on."""
+        thread, self._thread, self._error = self._thread, None, None
+        if thread is not None:
+            thread.join(wait)
+        return thread is None or not thread.is_alive()
+
     def candidates(self) -> list[Found]:
         """Snapshot folders with a marker, newest first; not yet verified."""
         return [found for found, problem in folders.scan(self.folder) if problem is None]

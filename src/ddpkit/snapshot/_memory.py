@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -62,13 +61,9 @@ def open_memory(snapshots: Snapshots, every_steps: int | None) -> MemoryStore | 
     folder on every node, else None, with one line saying why; collective (one all-reduce).
     ``every_steps``: a copy every N steps; None: chosen (:meth:`MemoryStore._choose_interval`)."""
     rt = snapshots.runtime
-    folder, job = os.environ.get(slots_lib.DIR_ENV), slots_lib.job_key()
-    why = (
-        os.environ.get(slots_lib.UNAVAILABLE_ENV)
-        or "no memory folder for the job (run under ddpkit run)"
-    )
-    slots = None
-    if folder and job is not None:
+    folder, job = slots_lib.memory_folder()
+    why, slots = job, None
+    if folder is not None:
         try:
             run = slots_lib.run_key(snapshots.run_dir)
             slots = slots_lib.Slots(

@@ -1,9 +1,8 @@
-"""What snapshots in memory keep on a node: the job's folder in shared memory, each rank's two slot
-files in it, and a slot's format and checks (docs/snapshots.md, "Snapshots in memory"). Layout::
+"""What snapshots in memory keep on a node: each rank's two slot files in the job's folder of them
+(``memory/`` of the job folder in shared memory, :mod:`ddpkit._launch.agent.jobdir`), and a slot's
+format and checks (docs/snapshots.md, "Snapshots in memory"). Layout::
 
-    <root>/ddpkit-memory-<uid>/<nonce>/owner                  the agent's pid and start time
-    <root>/ddpkit-memory-<uid>/<nonce>/progress/              the stall watch's records
-    <root>/ddpkit-memory-<uid>/<nonce>/<run>-rank<r>-<i>.slot  rank r's slots 0 and 1
+    <job folder>/memory/<run>-rank<r>-<i>.slot  rank r's slots 0 and 1
 
 A slot is a commit record (its parts' offsets, lengths and checksums between ``begin`` and ``end``
 generation numbers), a JSON manifest (the tensors' layout, what a resume checks), the JSON values,
@@ -18,10 +17,7 @@ import errno
 import hashlib
 import json
 import os
-import secrets
-import stat
 import struct
-import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,22 +28,12 @@ import torch
 
 from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
-from ddpkit._launch.proctree import start_time
+from ddpkit.distributed._channels import MEMORY, MEMORY_OFF, job_folder
 from ddpkit.distributed._collectives import tensor_bytes
 from ddpkit.platforms import _torchrun as torchrun
 from ddpkit.snapshot._codec import checked_specs, views
 from ddpkit.snapshot._folders import NotRegular, open_regular
 
-ROOT_ENV = "DDPKIT_MEMORY_ROOT"
-"""Where the agent makes the job's folder (default ``/dev/shm``)."""
-DIR_ENV = "DDPKIT_MEMORY_DIR"
-"""The job's folder on this node, set by the agent for its workers."""
-KEY_ENV = "DDPKIT_MEMORY_KEY"
-"""The job's random key (the folder's name), set by the agent with :data:`DIR_ENV`."""
-UNAVAILABLE_ENV = "DDPKIT_MEMORY_UNAVAILABLE"
-"""Why the agent made no folder, for the workers to say."""
-OFF_ENV = "DDPKIT_MEMORY_SNAPSHOTS"
-"""``0`` in the launcher's environment: the agent makes no folder (snapshots in memory are off)."""
 MOUNT_MORE = (
     "give the node more shared memory: in Kubernetes an emptyDir volume with medium: Memory "
     "mounted at /dev/shm (`ddpkit k8s` writes one), in Docker --shm-size"
@@ -64,10 +50,6 @@ PART_LIMIT = 1 << 30
 """The most bytes of a slot's manifest or values (JSON parsed whole: millions of entries)."""
 
 
-class FolderUnavailable(RuntimeError):
-    """The memory file system cannot hold the job's folder."""
-
-
 class MemoryUnavailable(RuntimeError):
     """Shared memory cannot hold the snapshot (full, or the folder gone)."""
 
@@ -76,84 +58,21 @@ class BadSlot(ValueError):
     """A whole slot that does not check: its message names the slot and what is wrong."""
 
 
-def _owner_alive(folder: Path) -> bool:
-    try:
-        pid, started = (folder / "owner").read_text().split()
-        return start_time(int(pid)) == int(started)
-    except (OSError, ValueError):
-        return False
-
-
-def private_base(root: Path) -> Path:
-    """``root/ddpkit-memory-<uid>``, made with mode 700; refused if it is a link, or someone else's
-    (who could plant slots for this user's jobs to load)."""
-    base = root / f"ddpkit-memory-{os.getuid()}"
-    with contextlib.suppress(FileExistsError):
-        fs.make_dir(base, mode=0o700)
-    info = os.lstat(base)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise FolderUnavailable(
-            f"{base} is not a private folder of this user (a link, or open to others)"
-        )
-    return base
-
-
-_job_folder: Path | None = None
-SETUP_SECONDS = 60.0  # the longest an agent takes from making its folder to renaming it
-
-
-def open_job_folder(memory: bool = True) -> Path | None:
-    """Make this job's folder (the agent, once per job, stale ones swept first): the stall watch's
-    records and, with ``memory``, the workers' slots, its path exported to them. None, with the
-    reason in :data:`UNAVAILABLE_ENV` (``memory``), where memory is not usable."""
-    global _job_folder
-    root, pid = Path(os.environ.get(ROOT_ENV, "/dev/shm")), os.getpid()
-    try:
-        if not root.is_dir():
-            raise FolderUnavailable(f"{root} does not exist")
-        base = private_base(root)
-        for stale in base.iterdir():  # the folders of agents that are gone
-            # another agent may rename or sweep one meanwhile: it is then not this agent's to sweep
-            with contextlib.suppress(FileNotFoundError):
-                if not stale.is_dir() or stale.is_symlink() or _owner_alive(stale):
-                    continue
-                # another agent's folder being set up (".<nonce>") has no owner yet: one whose
-                # setup died is left behind, swept once it is older than any setup takes
-                age = time.time() - stale.stat().st_mtime
-                if stale.name.startswith(".") and age < SETUP_SECONDS:
-                    continue
-                fs.remove_tree(stale, root=base)
-        # renamed into place once its owner is written in it: a sweep never sees one without
-        nonce = secrets.token_hex(8)
-        tmp = base / f".{nonce}"
-        fs.make_dir(tmp, root=base, mode=0o700)
-        fs.write_atomic(tmp / "owner", f"{pid} {start_time(pid)}\n".encode(), root=base)
-        fs.rename(tmp, base / nonce, root=base)
-    except (OSError, FolderUnavailable, ConfigError) as err:
-        if memory:
-            os.environ[UNAVAILABLE_ENV] = str(err)
-        return None
-    _job_folder = base / nonce
-    if memory:
-        os.environ[DIR_ENV] = str(_job_folder)
-        os.environ[KEY_ENV] = nonce
-    return _job_folder
-
-
-def close_job_folder() -> None:
-    """Remove this job's folder (the agent, when the job ends however it ends)."""
-    global _job_folder
-    for name in (DIR_ENV, KEY_ENV, UNAVAILABLE_ENV):
-        os.environ.pop(name, None)
-    if _job_folder is not None:
-        fs.remove_tree(_job_folder)
-        _job_folder = None
-
-
-def job_key() -> str | None:
-    """This job's key: the agent's nonce, with torchrun's run id; None outside ``ddpkit run``."""
-    nonce = os.environ.get(KEY_ENV)
-    return f"{torchrun.run_id(os.environ)}:{nonce}" if nonce else None
+def memory_folder() -> tuple[Path | None, str]:
+    """The job's folder of snapshots in memory on this node (in its job folder:
+    :mod:`ddpkit.distributed._channels`) and the job's key (the folder's name, with torchrun's run
+    id); else None, and why there is none."""
+    job = job_folder()
+    if job is None:
+        return None, "no memory folder for the job (run under ddpkit run)"
+    folder = job / MEMORY
+    if not folder.is_dir():
+        try:
+            why = fs.read_bytes(job / MEMORY_OFF).decode(errors="replace")
+        except (OSError, ConfigError):
+            why = f"the job's memory folder {folder} is gone"
+        return None, why
+    return folder, f"{torchrun.run_id(os.environ)}:{job.name}"
 
 
 def room_warning(folder: str | os.PathLike[str], need: int) -> str | None:

@@ -7,7 +7,6 @@ and, with ``memory=True`` under ``ddpkit run``, shared memory (:mod:`ddpkit.snap
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,9 +19,10 @@ from torch import nn
 from ddpkit._errors import ConfigError, Preempted, checked_arguments
 from ddpkit.data._epoch_loader import EpochLoader
 from ddpkit.data._fingerprint import refusal
+from ddpkit.distributed import _lifetime as lifetime
 from ddpkit.distributed import _signals as signals
+from ddpkit.distributed._channels import recovers_in_place
 from ddpkit.distributed._collectives import all_reduce
-from ddpkit.distributed._environment import RECOVER_DIR_ENV, recovery_record
 from ddpkit.distributed._log import print0
 from ddpkit.distributed._runtime import Runtime, get_runtime
 from ddpkit.snapshot._disk import STREAMS, DiskStore
@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # the memory store is imported when a run asks for it
 
 Load = Callable[[dict[str, Any]], None]
 OPTIONAL = frozenset({"records"})
+ABANDON_WAIT = 5.0  # seconds a failed run's snapshot write in flight is waited for
 """Parts a snapshot of an earlier version may lack: the run goes on without restoring them."""
 
 
@@ -214,11 +215,12 @@ class Snapshots:
         self._signals = contextlib.ExitStack()
         self.memory: MemoryStore | None = None
         """The copies in shared memory (``memory=True``; None where the job has no folder)."""
+        self._let_go = lifetime.hold(f"ddpkit.Snapshots({run_dir})", self._abandon)
         if config.memory:  # a restart resumes from them even under resume=False: see Trainer.fit
             from ddpkit.snapshot._memory import open_memory
 
             self.memory = open_memory(self, config.memory_every_steps)
-        elif os.environ.get(RECOVER_DIR_ENV):
+        elif recovers_in_place():
             raise ConfigError(
                 "ddpkit run --recover in-place resumes every rank from the copies in memory, and "
                 "this run keeps none: pass memory=True (SnapshotConfig(memory=True) for the "
@@ -310,9 +312,27 @@ class Snapshots:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
+        self._let_go()
         if not self._stopping and self._signal:
             sig, self._signal = self._signal, 0
             signals.pass_on(sig)
+
+    def _abandon(self) -> None:
+        """A failed run's snapshots let go, nothing saved: the signal handlers put back, the run
+        directory unlocked, the copies in memory closed (kept for the next run), a write in flight
+        waited for a few seconds (its error dropped)."""
+        self._deferred = False
+        self._signals.close()
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+        if self.memory is not None:
+            self.memory.close(remove=False)
+            self.memory = None
+        if not self.disk.abandon(wait=ABANDON_WAIT):
+            raise RuntimeError(
+                f"a snapshot write still runs {ABANDON_WAIT:g} s on: it ends beside the next run"
+            )
 
     def __enter__(self) -> Snapshots:
         return self
@@ -388,9 +408,10 @@ class Snapshots:
         Refused by name before any tensor is read when the snapshot is another run's."""
         started = time.time()
         got = self._restore(load or self.load_state_dict)
-        if got is None:
-            return 0
         restored = time.time()
+        if got is None:
+            self._resumed(lifetime.Resume(0, "none", started, restored))
+            return 0
         if got.disk:
             self.schedule.written(self.position())  # already on disk
         if self._precision is not None:
@@ -413,21 +434,13 @@ class Snapshots:
             # records written after the snapshot, moved to metrics.rewound.jsonl
             "rewound_records": getattr(self.states.get("records"), "rewound", 0),
         })  # fmt: skip
-        if (recovery := recovery_record()) is not None:  # ddpkit run --recover in-place
-            from ddpkit.distributed import _runtime
-
-            seen, left, decided = recovery["seen"], recovery["left"], recovery["decided"]
-            self.log("event", t.step, {
-                "event": "recover", "recovery": recovery["recovery"],
-                "replaced": recovery["replaced"], "step": t.step, "source": got.source,
-                "seconds": {  # rank 0's: from the failure seen by the agent to the state loaded
-                    "leave": round(left - seen, 4), "decide": round(decided - left, 4),
-                    "regroup": round(_runtime.joined_at - decided, 4),
-                    "restore": round(restored - started, 4),
-                    "total": round(restored - seen, 4),
-                },
-            })  # fmt: skip
+        self._resumed(lifetime.Resume(t.step, got.source, started, restored))
         return t.step
+
+    def _resumed(self, resume: lifetime.Resume) -> None:
+        """Record what the process's launcher adds to a resume (in-place recovery's ``recover``)."""
+        for event in lifetime.resumed(resume):
+            self.log("event", resume.step, event)
 
     def _restore(self, load: Load) -> Resumed | None:
         """The one place a resume chooses its store (collective): the newest state in memory when it

@@ -47,7 +47,8 @@ def _agent(tmp_path: Path, nproc: int = 2):
     agent.process_context = lambda: context  # type: ignore[method-assign]
     agent.watch = watch.Watch(tmp_path, watch.StallPolicy(floor=0), None)
     agent.watch.start_attempt({r: (r, 100 + r) for r in range(nproc)})
-    agent._polls, agent._exits_of, agent._exit_seen = 0, None, {}
+    agent.attempt = agent_module.Attempt({r: r for r in range(nproc)})
+    agent.link, agent._round = None, None
     group = SimpleNamespace(
         workers=[SimpleNamespace(local_rank=r, global_rank=r) for r in range(nproc)]
     )
@@ -59,7 +60,7 @@ def _polls(agent, procs, *timeline: dict[int, int]) -> None:
     for exited in timeline:
         for local, code in exited.items():
             procs[local].code = code
-        agent._polls += 1
+        agent.attempt.polls += 1
         agent._note_exits({local: p.code for local, p in procs.items()})
 
 

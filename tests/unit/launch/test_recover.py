@@ -1,11 +1,18 @@
 """In-place recovery's parts: cutting a worker's collective links with real gloo processes (and the
-control: gloo's own abort leaves the wait), and the agent's decisions on a fake worker group (pure
-logic: which ranks are replaced, when it waits, when it gives the failure back and why)."""
+control: gloo's own abort leaves the wait), torch's group count after a group made half-way, the
+agent's decisions on faked workers (pure logic: which ranks are replaced, when it waits, when it
+gives the failure back and why), a stopped worker with a real process, and the agents of two nodes
+on one real store, each node's loss judged on evidence (its agent gone from its address)."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,7 +22,10 @@ import torch.distributed as dist
 
 from ddpkit._errors import PREEMPTED_EXIT_CODE, ConfigError
 from ddpkit._launch.recover import inplace as recover
-from ddpkit.testing import run_on_ranks
+from ddpkit._launch.recover import nodes
+from ddpkit._launch.recover import worker as recovering
+from ddpkit._launch.rendezvous.link import SUSPECT_AFTER, NodeLink
+from ddpkit.testing import run_on_ranks, wait_until
 
 
 def _pending_all_reduce(cut: bool) -> str:
@@ -23,14 +33,14 @@ def _pending_all_reduce(cut: bool) -> str:
     the group (``cut``), or aborts it as gloo offers, or destroys it (the control, which cuts them
     after rank 0 has looked). How rank 0's all-reduce stood once rank 1 had done so."""
     dist.barrier()  # the default group's links made (gloo may make them at first use): not cut
-    recover.note_links()
+    recovering.note_links()
     group = dist.new_group(backend="gloo")
     dist.barrier()  # both ranks have made the group: a cut while rank 0 still makes it fails that
     # the store's connections are not cut here (the test's end waits on the store)
     os.environ["MASTER_PORT"] = "1"
     if dist.get_rank() == 1:
         if cut:
-            recover.sever()
+            recovering.sever()
         else:  # gloo's abort, where it has one (torch 2.7 on); before, the group destroyed
             backend = group._get_backend(torch.device("cpu"))
             if hasattr(backend, "abort"):
@@ -40,7 +50,7 @@ def _pending_all_reduce(cut: bool) -> str:
         dist.barrier()  # done: rank 0 looks
         if not cut:
             dist.barrier()  # rank 0 has looked
-            recover.sever()
+            recovering.sever()
         return ""
     work = dist.all_reduce(torch.ones(4), group=group, async_op=True)
     dist.barrier()
@@ -60,141 +70,17 @@ def test_cutting_a_ranks_links_ends_its_peers_pending_gloo_collective_and_abort_
     assert run_on_ranks(_pending_all_reduce, 2, (False,))[0] == "pending, then raised"
 
 
-class FakeAgent:
-    """The agent as :class:`~ddpkit._launch.recover.inplace.InPlace` sees it: each rank's exit
-    code."""
-
-    def __init__(self, codes: dict[int, int | None], restarts: int = 2) -> None:
-        self.codes, self.restarts, self.max, self.replaced = codes, restarts, restarts, []
-        self.stall = None
-        self.stopped: list[list[int]] = []
-
-    def worker_processes(self):
-        return {r: SimpleNamespace(poll=lambda r=r: self.codes[r]) for r in self.codes}
-
-    def restarts_left(self) -> int:
-        return self.restarts
-
-    def use_restart(self) -> None:
-        self.restarts -= 1
-
-    def restarts_used(self) -> int:
-        return self.max - self.restarts
-
-    def replace_worker(self, worker, env) -> None:
-        self.replaced.append((worker.global_rank, env["TORCHELASTIC_RESTART_COUNT"]))
-        self.codes[worker.global_rank] = None
-
-    def stop_late(self, ranks, group, waited) -> None:
-        self.stopped.append(ranks)
-
-    def recovered(self) -> None:
-        pass
-
-    def stop_restarting(self) -> None:
-        self.restarts = 0
-
-    def process_context(self):
-        return SimpleNamespace(envs={0: {"MASTER_ADDR": "127.0.0.1"}})
-
-
-def group(n: int) -> SimpleNamespace:
-    return SimpleNamespace(workers=[SimpleNamespace(global_rank=r, local_rank=r) for r in range(n)])
-
-
-def wait(folder: Path, rank: int, generation: int = 1) -> None:
-    record = {"rank": rank, "pid": 1, "error": "x", "left": 1.0, "torn_down": 2.0}
-    (folder / f"wait-{generation}.{rank}").write_text(json.dumps(record))
-
-
-def test_the_agent_replaces_the_exited_rank_once_every_other_rank_waits(tmp_path, capsys):
-    agent, place = FakeAgent({0: None, 1: -9, 2: None}), recover.InPlace(tmp_path)
-    assert place.poll(agent, group(3))  # rank 1 killed: torchrun must not look
-    assert (tmp_path / "incident").read_text() == "1" and agent.replaced == []
-    wait(tmp_path, 0)
-    assert place.poll(agent, group(3)) and agent.replaced == []  # rank 2 has not left yet
-    wait(tmp_path, 2)
-    assert place.poll(agent, group(3))
-    go = json.loads((tmp_path / "go-1").read_text())
-    assert go["replaced"] == [1] and go["restart_count"] == 1 and agent.replaced == [(1, "1")]
-    assert not (tmp_path / "incident").exists() and agent.restarts == 1
-    assert "replaced rank 1 (killed by SIGKILL); rank(s) 0, 2 go on" in capsys.readouterr().err
-    assert not place.poll(agent, group(3))  # all running again: torchrun looks
-
-
-@pytest.mark.parametrize(
-    ("codes", "restarts", "why"),
-    [
-        ({0: None, 1: -9, 2: PREEMPTED_EXIT_CODE}, 2, "a rank was pre-empted"),
-        ({0: None, 1: -9, 2: 0}, 2, "a rank had already finished"),
-        ({0: None, 1: -9, 2: None}, 0, "no restart left"),
-    ],
-)
-def test_the_agent_gives_the_failure_back_to_torchrun_saying_why(tmp_path, codes, restarts, why):
-    agent, place = FakeAgent(codes, restarts), recover.InPlace(tmp_path)
-    assert not place.poll(agent, group(3))
-    assert why in place.fallback and (tmp_path / "end-1").read_text() == place.fallback
-    assert agent.replaced == [] and place.ended
-
-
-def test_a_rank_that_does_not_leave_in_time_is_stopped_and_replaced(tmp_path):
-    agent, place = FakeAgent({0: None, 1: -9}), recover.InPlace(tmp_path, timeout=0.0)
-    assert place.poll(agent, group(2)) and agent.stopped == [[0]]
-    agent.codes[0] = -9  # the agent's SIGKILL
-    assert place.poll(agent, group(2)) and agent.stopped == [[0]]  # once
-    assert json.loads((tmp_path / "go-1").read_text())["replaced"] == [0, 1]
-    # Control: with time left, the agent waits for it.
-    (tmp_path / "x").mkdir()
-    agent, place = FakeAgent({0: None, 1: -9}), recover.InPlace(tmp_path / "x", timeout=60.0)
-    assert place.poll(agent, group(2)) and agent.stopped == [] and not place.fallback
-
-
-def test_in_place_recovery_needs_a_restart_budget_and_covers_several_nodes(tmp_path, monkeypatch):
-    from ddpkit._launch.cli.options import LaunchConfig
-    from ddpkit._launch.cli.run import in_place_recovery
-
-    monkeypatch.setenv(recover.DIR_ENV, "")  # set by the agent's side: put back after the test
-
-    with pytest.raises(ConfigError, match="--max-restarts N"):
-        in_place_recovery(LaunchConfig(script="x.py", recover="in-place"), tmp_path)
-    cfg = LaunchConfig(
-        script="x.py", recover="in-place", max_restarts=1, nnodes="2",
-        rdzv_endpoint="127.0.0.1:29400", join_timeout=7.0,
-    )  # fmt: skip
-    found = in_place_recovery(cfg, tmp_path)
-    assert found is not None and found.join_timeout == 7
-    with pytest.raises(ConfigError, match="recover"):
-        LaunchConfig(script="x.py", recover="sideways")  # type: ignore[arg-type]
-
-
-def test_a_failed_runs_folder_locks_are_released_for_the_run_again(tmp_path):
-    from ddpkit._fs import lock
-
-    def claim() -> lock.FolderLock:
-        held = lock.FolderLock(tmp_path, what="run_dir", job="job", user="run", hazard="h")
-        held.acquire()
-        return held
-
-    first = claim()  # a Snapshots the failed run left open holds it
-    with pytest.raises(ConfigError, match="in use by another job"):  # control: not released
-        claim()
-    lock.release_all()
-    claim().release()
-    assert first._fd is None
-
-
 def _group_never_joined(cut: bool) -> str:
     """Rank 0 makes a new group rank 1 never joins (it waits on the store for rank 1's address);
     another thread of rank 0 cuts its links (``cut``). How rank 0's ``new_group`` ended."""
     import datetime
-    import threading
 
     dist.barrier()
     if dist.get_rank() == 1:
         dist.barrier()
         return ""
     if cut:
-        threading.Thread(target=recover.sever, daemon=True).start()  # before or during: the same
+        threading.Thread(target=recovering.sever, daemon=True).start()  # before or during
     try:
         dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3))
         ended = "made"
@@ -208,6 +94,61 @@ def test_a_group_being_made_is_let_go_by_the_cut_of_the_stores_connections():
     assert run_on_ranks(_group_never_joined, 2, (True,))[0] == "cut"
     # Control: without the cut it waits on the store until the group's timeout.
     assert run_on_ranks(_group_never_joined, 2, (False,))[0] == "timed out"
+
+
+_HALF_MADE = """
+import datetime, os, sys
+import torch, torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+from ddpkit._internals.groups import reset_process_groups
+rank, port, reset = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "reset"
+store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+if rank == 1:  # its first group made half-way: rank 0 is not there yet
+    try:
+        dist.init_process_group("gloo", store=dist.PrefixStore("early", store), rank=1,
+                                world_size=2, timeout=datetime.timedelta(seconds=1))
+    except Exception:
+        pass
+    print("count", c10d._world.group_count, flush=True)
+    if reset:
+        reset_process_groups()
+    store.set("ready", "1")
+store.wait(["ready"])
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=8))
+t = torch.ones(1)
+dist.all_reduce(t)
+print("sum", float(t), flush=True)
+"""
+
+
+def _two_ranks_after_a_half_made_group(reset: bool) -> list[str]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _HALF_MADE, str(r), str(port), "reset" if reset else "-"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )  # fmt: skip
+        for r in (0, 1)
+    ]
+    return [p.communicate(timeout=120)[0] for p in procs]
+
+
+def test_a_group_made_half_way_is_counted_and_the_reset_names_the_next_one_as_the_peers():
+    out = _two_ranks_after_a_half_made_group(reset=True)
+    assert "count 1" in out[1] and all("sum 2.0" in o for o in out), out
+    # Control: torch's count left at 1, rank 1 names its next group otherwise than rank 0 does,
+    # and neither meets the other before the group's timeout.
+    out = _two_ranks_after_a_half_made_group(reset=False)
+    assert "count 1" in out[1] and not any("sum" in o for o in out), out
 
 
 def _writer_groups_across_worlds() -> tuple[bool, float]:
@@ -229,19 +170,236 @@ def test_a_world_made_again_gets_new_writer_groups():
     assert run_on_ranks(_writer_groups_across_worlds, 2) == [(False, 2.0), (False, 2.0)]
 
 
-# Across nodes: two agents' InPlace on one real store, each node's workers faked (pure logic).
+def test_a_failed_runs_holders_are_let_go_newest_first_and_a_gone_one_is_skipped():
+    from ddpkit.distributed import _lifetime as lifetime
+
+    let_go: list[str] = []
+
+    class Holder:
+        def __init__(self, name: str) -> None:
+            self.name = name
+            self.done = lifetime.hold(name, self.release)
+
+        def release(self) -> None:
+            let_go.append(self.name)
+
+    a, b, gone = Holder("a"), Holder("b"), Holder("gone")
+    del gone  # collected: held weakly, nothing left to let go
+    closed = Holder("closed")
+    closed.done()  # let go by itself
+    broken = lifetime.hold("broken", lambda: 1 / 0)
+    assert lifetime.release_all() == ["broken: ZeroDivisionError: division by zero"]
+    assert let_go == ["b", "a"] and lifetime.release_all() == []
+    del a, b, broken
 
 
-class NodeAgent(FakeAgent):
-    """One node's agent: ``codes`` by local rank, its workers' global ranks ``ranks``."""
+def test_a_failed_runs_folder_locks_are_released_for_the_run_again(tmp_path):
+    from ddpkit._fs import lock
 
-    def __init__(self, ranks: list[int], codes: dict[int, int | None]) -> None:
-        super().__init__(codes)
-        self.ranks = ranks
+    def claim() -> lock.FolderLock:
+        held = lock.FolderLock(tmp_path, what="run_dir", job="job", user="run", hazard="h")
+        held.acquire()
+        return held
 
-    def replace_worker(self, worker, env) -> None:
-        self.replaced.append((worker.global_rank, env["TORCHELASTIC_RESTART_COUNT"]))
-        self.codes[worker.local_rank] = None
+    first = claim()  # a Snapshots the failed run left open holds it
+    with pytest.raises(ConfigError, match="in use by another job"):  # control: not released
+        claim()
+    lock.release_all()
+    claim().release()
+    assert first._fd is None
+
+
+# -- the agent's decisions, one node -----------------------------------------------------------
+
+
+class FakeWorkers:
+    """The agent as :class:`~ddpkit._launch.recover.inplace.InPlace` sees it
+    (:class:`~ddpkit._launch.recover.inplace.Workers`): each rank's exit code, pid and kills."""
+
+    def __init__(
+        self, codes: dict[int, int | None], restarts: int = 2, pids: dict[int, int] | None = None
+    ) -> None:
+        self.codes, self.restarts, self.max, self.replaced = codes, restarts, restarts, []
+        self.killed: list[tuple[list[int], str]] = []
+        self._pids = pids or {r: 1_000_000 + r for r in codes}  # no such processes
+        self.stalled = False
+
+    def exit_codes(self) -> dict[int, int | None]:
+        return dict(self.codes)
+
+    def pids(self) -> dict[int, int]:
+        return {r: self._pids[r] for r in self.codes}
+
+    def restarts_left(self) -> int:
+        return self.restarts
+
+    def restarts_used(self) -> int:
+        return self.max - self.restarts
+
+    def use_restart(self) -> None:
+        self.restarts -= 1
+
+    def restarts_from(self, used: int) -> None:
+        self.restarts = self.max - used
+
+    def stop_restarting(self) -> None:
+        self.restarts = 0
+
+    def replace_worker(self, rank: int, env: dict[str, str]) -> None:
+        self.replaced.append((rank, env["TORCHELASTIC_RESTART_COUNT"]))
+        self.codes[rank] = None
+
+    def kill(self, ranks: list[int], why: str) -> None:
+        self.killed.append((ranks, why))
+        for r in ranks:
+            if self._pids[r] < 1_000_000:
+                os.kill(self._pids[r], signal.SIGKILL)
+
+    def stall_ended(self) -> bool:
+        return self.stalled
+
+    def went_on(self) -> None:
+        pass
+
+
+def in_place(tmp_path: Path, ranks: list[int], **kw) -> recover.InPlace:
+    place = recover.InPlace(tmp_path, **kw)
+    place.start(recover.Round("r", 0, 1, "127.0.0.1", ranks))
+    return place
+
+
+def wait(folder: Path, rank: int, generation: int = 1) -> None:
+    record = {"rank": rank, "pid": 1_000_000 + rank, "error": "x", "left": 1.0, "torn_down": 2.0}
+    (folder / f"wait-{generation}.{rank}").write_text(json.dumps(record))
+
+
+def test_the_agent_replaces_the_exited_rank_once_every_other_rank_waits(tmp_path, capsys):
+    agent, place = FakeWorkers({0: None, 1: -9, 2: None}), in_place(tmp_path, [0, 1, 2])
+    assert place.poll(agent)  # rank 1 killed: torchrun must not look
+    assert (tmp_path / "incident").read_text() == "1" and agent.replaced == []
+    wait(tmp_path, 0)
+    assert place.poll(agent) and agent.replaced == []  # rank 2 has not left yet
+    wait(tmp_path, 2)
+    assert place.poll(agent)
+    go = json.loads((tmp_path / "go-1").read_text())
+    assert go["replaced"] == [1] and go["restart_count"] == 1 and agent.replaced == [(1, "1")]
+    assert not (tmp_path / "incident").exists() and agent.restarts == 1
+    assert (tmp_path / "last").read_text() == "1"  # before the replacement looks for its record
+    assert "replaced rank 1 (killed by SIGKILL); rank(s) 0, 2 go on" in capsys.readouterr().err
+    assert not place.poll(agent)  # all running again: torchrun looks
+
+
+@pytest.mark.parametrize(
+    ("codes", "restarts", "stalled", "why"),
+    [
+        ({0: None, 1: -9, 2: PREEMPTED_EXIT_CODE}, 2, False, "a rank was pre-empted"),
+        ({0: None, 1: -9, 2: 0}, 2, False, "a rank had already finished"),
+        ({0: None, 1: -9, 2: None}, 0, False, "no restart left"),
+        ({0: None, 1: -9, 2: None}, 2, True, "the stall watch ended the attempt"),
+    ],
+)
+def test_the_agent_gives_the_failure_back_to_torchrun_saying_why(
+    tmp_path, codes, restarts, stalled, why
+):
+    agent, place = FakeWorkers(codes, restarts), in_place(tmp_path, [0, 1, 2])
+    agent.stalled = stalled
+    assert not place.poll(agent)
+    assert why in place.fallback and (tmp_path / "end-1").read_text() == place.fallback
+    assert agent.replaced == [] and place.ended
+
+
+def test_a_rank_that_does_not_leave_in_time_is_killed_and_replaced(tmp_path):
+    agent, place = FakeWorkers({0: None, 1: -9}), in_place(tmp_path, [0, 1], timeout=0.0)
+    assert place.poll(agent) and [r for r, _ in agent.killed] == [[0]]
+    assert "did not leave their step within 0 s" in agent.killed[0][1]
+    agent.codes[0] = -9  # the agent's SIGKILL
+    assert place.poll(agent) and len(agent.killed) == 1  # once
+    assert json.loads((tmp_path / "go-1").read_text())["replaced"] == [0, 1]
+    # Control: with time left, the agent waits for it.
+    (tmp_path / "x").mkdir()
+    agent, place = FakeWorkers({0: None, 1: -9}), in_place(tmp_path / "x", [0, 1], timeout=60.0)
+    assert place.poll(agent) and agent.killed == [] and not place.fallback
+
+
+@pytest.fixture
+def sleeper():
+    """A real process that sleeps (stands for a healthy worker)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_a_stopped_worker_is_a_failure_killed_and_replaced(tmp_path, sleeper):
+    agent = FakeWorkers({0: None, 1: None}, pids={0: 1_000_000, 1: sleeper.pid})
+    place = in_place(tmp_path, [0, 1], timeout=600.0)
+    assert not place.poll(agent)  # running
+    os.kill(sleeper.pid, signal.SIGSTOP)
+    # stopped for STOPPED_AFTER seconds: a failure, without waiting the leave timeout
+    wait_until(lambda: place.poll(agent) and agent.killed, 60, what="the stopped rank killed")
+    assert agent.killed == [([1], agent.killed[0][1])] and "stopped (SIGSTOP)" in agent.killed[0][1]
+    agent.codes[1] = sleeper.wait()
+    assert agent.codes[1] == -signal.SIGKILL
+    wait(tmp_path, 0)
+    assert place.poll(agent) and agent.replaced == [(1, "1")]
+
+
+def test_control_a_worker_stopped_for_a_moment_runs_on(tmp_path, sleeper):
+    agent = FakeWorkers({0: None, 1: None}, pids={0: 1_000_000, 1: sleeper.pid})
+    place = in_place(tmp_path, [0, 1], timeout=600.0)
+    os.kill(sleeper.pid, signal.SIGSTOP)
+    assert not place.poll(agent)  # seen stopped: not yet a failure
+    os.kill(sleeper.pid, signal.SIGCONT)
+    time.sleep(recover.STOPPED_AFTER)  # past the bound, continued: its stop is forgotten
+    assert not place.poll(agent) and agent.killed == [] and place.incident is None
+
+
+def test_in_place_recovery_needs_a_restart_budget_and_covers_several_nodes(tmp_path, monkeypatch):
+    from ddpkit._launch.cli.options import LaunchConfig
+    from ddpkit._launch.cli.run import in_place_recovery
+    from ddpkit.distributed import _channels as channels
+
+    monkeypatch.setenv(channels.JOB_DIR_ENV, str(tmp_path))
+    with pytest.raises(ConfigError, match="--max-restarts N"):
+        in_place_recovery(LaunchConfig(script="x.py", recover="in-place"))
+    assert not channels.recovers_in_place()
+    cfg = LaunchConfig(
+        script="x.py", recover="in-place", max_restarts=1, nnodes="2",
+        rdzv_endpoint="127.0.0.1:29400", join_timeout=7.0, node_timeout=9.0,
+    )  # fmt: skip
+    found = in_place_recovery(cfg)
+    assert found is not None and found.join_timeout == 7 and found.node_timeout == 9
+    assert channels.recovers_in_place()  # the workers see it
+    with pytest.raises(ConfigError, match="recover"):
+        LaunchConfig(script="x.py", recover="sideways")  # type: ignore[arg-type]
+
+
+def test_a_worker_whose_agent_is_gone_stops_waiting_for_its_word(tmp_path, monkeypatch):
+    from ddpkit.distributed import _channels as channels
+
+    monkeypatch.setenv(channels.JOB_DIR_ENV, str(tmp_path))
+    (tmp_path / "recover").mkdir()
+    (tmp_path / "owner").write_text(f"{os.getppid()} 0\n")  # its agent: this process's parent
+    monkeypatch.setattr(recovering, "note_links", lambda: None)
+    monkeypatch.setattr(channels, "serve", lambda name=None: False)
+    recovering.start()
+    left: list = []
+    waiting = threading.Thread(target=lambda: left.append(recovering.leave(RuntimeError("x"))))
+    waiting.start()
+    wait_until(lambda: (tmp_path / "recover" / "wait-1.0").exists(), 60, what="the worker's word")
+    waiting.join(0.3)
+    assert waiting.is_alive()  # its agent lives: it waits for the go or the end
+    (tmp_path / "recover" / "end-1").write_text("why")
+    waiting.join()
+    assert left == [False]
+    # with its agent gone it does not wait
+    (tmp_path / "owner").write_text(f"{os.getppid() + 1} 0\n")
+    (tmp_path / "recover" / "last").write_text("1")
+    assert not recovering.leave(RuntimeError("x"))
+    assert (tmp_path / "recover" / "wait-2.0").exists()
+
+
+# -- across nodes: two agents' InPlace on one real store, each node's workers faked --------------
 
 
 @pytest.fixture
@@ -253,193 +411,212 @@ def store():
     return serve_new_store("127.0.0.1", timedelta(seconds=30))[0]
 
 
-def node(store, tmp_path: Path, name: str, n: int, ranks: list[int], **kw):
-    """(agent, its worker group, its InPlace) of node ``n`` of 2."""
-    handler = SimpleNamespace(base=store, addr="127.0.0.1", round_name="ddpkit/round/t")
-    workers = [SimpleNamespace(global_rank=r, local_rank=i) for i, r in enumerate(ranks)]
-    grp = SimpleNamespace(
-        workers=workers, spec=SimpleNamespace(rdzv_handler=handler), group_rank=n,
-        group_world_size=2, store=handler,
-    )  # fmt: skip
-    (tmp_path / name).mkdir()
-    agent = NodeAgent(ranks, {i: None for i in range(len(ranks))})
-    return agent, grp, recover.InPlace(tmp_path / name, **kw)
+class Node:
+    """Node ``n`` of 2 in round ``r``: its link (beating, reachable at 127.0.0.1), its faked
+    workers (``ranks``, by global rank) and its agent's InPlace."""
+
+    def __init__(
+        self, store, tmp_path: Path, n: int, ranks: list[int], node_timeout: float = 30.0, **kw
+    ) -> None:
+        (tmp_path / f"node{n}").mkdir()
+        self.folder = tmp_path / f"node{n}"
+        self.link = NodeLink(store, "r", n, 2, "127.0.0.1", node_timeout)
+        self.workers = FakeWorkers({r: None for r in ranks})
+        self.place = recover.InPlace(self.folder, node_timeout=node_timeout, **kw)
+        self.waiting = 0
+        self.place.start(
+            recover.Round("r", n, 2, "127.0.0.1", ranks, self.link, lambda: self.waiting)
+        )
+
+    def poll(self) -> bool:
+        return self.place.poll(self.workers)
+
+    def lose(self) -> None:
+        """This node lost: its agent gone (its beat stops, its address refuses)."""
+        self.link.close()
+
+    def close(self) -> None:
+        self.link.close()
 
 
 def until(condition, what: str) -> None:
-    import time
-
-    deadline = time.monotonic() + 60  # a hang guard, not a bound on the time taken
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
+    wait_until(condition, 120, what=what, interval=0.02, max_interval=0.1)  # a hang guard
 
 
-def settled(*nodes):
-    """Polls each (agent, worker group, InPlace) once; True once none recovers any more."""
+def settled(*nodes_: Node):
+    """Polls each node once; True once none recovers any more."""
 
     def look() -> bool:
-        for agent, grp, place in nodes:
-            place.poll(agent, grp)
-        return all(place.incident is None for _, _, place in nodes)
+        for node in nodes_:
+            node.poll()
+        return all(node.place.incident is None for node in nodes_)
 
     return look
 
 
-def offered(store, agent, grp, place):
-    """Polls the deciding agent once; True once it offered a lost node's place."""
+def offered(store, node: Node):
+    """Polls the deciding node once; True once it offered a lost node's place."""
 
     def look() -> bool:
-        place.poll(agent, grp)
-        return store.check([recover.KEY + "vacant"])
+        node.poll()
+        return store.check([nodes.KEY + "vacant"])
 
     return look
+
+
+def join(store, **kw):
+    kw = {"wait": 5.0, "join_timeout": 60.0, "node_timeout": 30.0} | kw
+    return nodes.join(store, "127.0.0.1", 1, **kw)
 
 
 def test_across_nodes_a_worker_lost_on_one_node_is_recovered_by_both_agents(store, tmp_path):
-    agent_a, group_a, a = node(store, tmp_path, "a", 0, [0, 1])
-    agent_b, group_b, b = node(store, tmp_path, "b", 1, [2, 3])
-    assert not a.poll(agent_a, group_a) and not b.poll(agent_b, group_b)  # healthy
-    assert a.running and b.running  # the agent answers "healthy" without torchrun's own look
-    agent_b.codes[1] = -9  # rank 3 killed
-    assert b.poll(agent_b, group_b)
+    a, b = Node(store, tmp_path, 0, [0, 1]), Node(store, tmp_path, 1, [2, 3])
+    assert not a.poll() and not b.poll()  # healthy
+    assert a.place.running and b.place.running  # "healthy" without torchrun's own look
+    b.workers.codes[3] = -9  # rank 3 killed
+    assert b.poll()
     # node a's agent hears of it from the store and has its ranks leave
-    assert a.poll(agent_a, group_a) and (tmp_path / "a" / "incident").read_text() == "1"
-    wait(tmp_path / "a", 0)
-    wait(tmp_path / "a", 1)
-    wait(tmp_path / "b", 2)
-
-    until(settled((agent_a, group_a, a), (agent_b, group_b, b)), "both agents to go on")
-    go_a, go_b = (json.loads((tmp_path / n / "go-1").read_text()) for n in "ab")
+    assert a.poll() and (a.folder / "incident").read_text() == "1"
+    wait(a.folder, 0)
+    wait(a.folder, 1)
+    wait(b.folder, 2)
+    until(settled(a, b), "both agents to go on")
+    go_a, go_b = (json.loads((n.folder / "go-1").read_text()) for n in (a, b))
     assert go_a == go_b and go_a["replaced"] == [3] and go_a["lost_nodes"] == []
-    assert agent_b.replaced == [(3, "1")] and agent_a.replaced == []
-    assert agent_a.restarts == agent_b.restarts == 1
-    assert (tmp_path / "a" / "last").read_text() == (tmp_path / "b" / "last").read_text() == "1"
-    a.finished(), b.finished()
+    assert b.workers.replaced == [(3, "1")] and a.workers.replaced == []
+    assert a.workers.restarts == b.workers.restarts == 1
+    assert (a.folder / "last").read_text() == (b.folder / "last").read_text() == "1"
+    a.close(), b.close()
 
 
-def test_a_lost_node_is_seen_by_its_beat_and_a_new_node_takes_its_place(store, tmp_path):
-    import threading
-
-    agent_a, group_a, a = node(store, tmp_path, "a", 0, [0], join_timeout=60.0)
-    agent_b, group_b, b = node(store, tmp_path, "b", 1, [1])
-    assert not a.poll(agent_a, group_a) and not b.poll(agent_b, group_b)
-    b.finished(succeeded=False)  # node b gone silent: its beat stops, no worker of a has failed
-    until(lambda: a.poll(agent_a, group_a), "node a to see node b lost by its beat")
-    assert (tmp_path / "a" / "incident").read_text() == "1"
-    wait(tmp_path / "a", 0)
-
-    until(offered(store, agent_a, group_a, a), "node b's place offered")
+def test_a_lost_node_is_judged_on_evidence_and_a_new_node_takes_its_place(store, tmp_path):
+    a, b = Node(store, tmp_path, 0, [0], join_timeout=60.0), Node(store, tmp_path, 1, [1])
+    assert not a.poll() and not b.poll()
+    b.lose()  # no worker of a has failed: its beat stands still, its address refuses
+    until(a.poll, "node a to find node b lost")
+    assert (a.folder / "incident").read_text() == "1"
+    wait(a.folder, 0)
+    until(offered(store, a), "node b's place offered")
     places: list = []
-    joiner = threading.Thread(
-        target=lambda: places.append(recover.join(store, "127.0.0.1", 1, 5.0, 60.0))
-    )
+    joiner = threading.Thread(target=lambda: places.append(join(store)))
     joiner.start()
-    # the new node claims the place and beats as node b before node a looks again
-    beat = recover.KEY + "beat/ddpkit/round/t/1"
-    before = int(store.get(beat))
-    until(lambda: store.check([recover.KEY + "1/claim/1"]), "the claim")
-    until(lambda: int(store.get(beat)) > before + 1, "the new node's beat")
-
-    until(settled((agent_a, group_a, a)), "node a to go on once the new node claimed the place")
+    until(lambda: store.check([nodes.KEY + "1/claim/1"]), "the claim")
+    until(settled(a), "node a to go on once the new node claimed the place")
     joiner.join()
     (place,) = places
-    assert place.node == 1 and place.nodes == 2 and place.round_name == "ddpkit/round/t"
+    assert place.node == 1 and place.nodes == 2 and place.round_name == "r"
     assert place.go["replaced"] == [1] and place.go["lost_nodes"] == [1]
-    assert json.loads((tmp_path / "a" / "go-1").read_text()) == place.go
+    assert json.loads((a.folder / "go-1").read_text()) == place.go
+    # the new node's agent starts its workers in the recovery, at its count
     (tmp_path / "c").mkdir()
-    c = recover.InPlace(tmp_path / "c")
-    assert json.loads(c.joined(place, group_b.store).read_text()) == place.go
-    assert c.generation == 1 and c.nodes is place.link
-    # the new node beats from its claim (its workers not started yet): never counted lost again
-    import time
-
+    c, workers = recover.InPlace(tmp_path / "c"), FakeWorkers({1: None})
+    c.joined_start(place, workers)
+    assert json.loads((tmp_path / "c" / "go-1").read_text()) == place.go
+    assert c.generation == 1 and workers.restarts_used() == 1
+    # beating from its claim (its workers not started yet): never counted lost
     watched = time.monotonic()
-    while time.monotonic() - watched < 3 * recover.LOST_AFTER:
-        assert not a.poll(agent_a, group_a), "the new node counted lost while it beats"
+    while time.monotonic() - watched < 3 * SUSPECT_AFTER:
+        assert not a.poll(), "the new node counted lost while it beats"
         time.sleep(0.05)
-    # Control: once it stops beating, it is.
-    c.finished(succeeded=False)
-    until(lambda: a.poll(agent_a, group_a), "node a to count the silent new node lost")
-    a.finished()
+    # Control: once its agent is gone, it is.
+    place.link.close()
+    until(a.poll, "node a to count the gone new node lost")
+    a.close()
+
+
+def test_a_node_whose_agent_is_there_is_not_lost_however_long_its_beat_stands_still(
+    store, tmp_path
+):
+    """A busy or starved agent (its beat's thread held, its address answering): never counted lost
+    while --node-timeout has not passed. Control: past --node-timeout, it is."""
+    a, b = Node(store, tmp_path, 0, [0]), Node(store, tmp_path, 1, [1])
+    assert not a.poll() and not b.poll()
+    b.link._stop.set()  # its beat stands still; its listener takes probes as the kernel does
+    b.link._thread.join()
+    watched = time.monotonic()
+    while time.monotonic() - watched < 4 * SUSPECT_AFTER:
+        assert not a.poll() and a.place.incident is None, "a reachable node counted lost"
+        time.sleep(0.05)
+    a.close(), b.close()
+    # Control: the same silence past --node-timeout.
+    (tmp_path / "t").mkdir()
+    a, b = Node(store, tmp_path / "t", 0, [0], 2.0), Node(store, tmp_path / "t", 1, [1], 2.0)
+    assert not a.poll() and not b.poll()
+    b.link._stop.set()
+    until(a.poll, "node a to count node b lost past --node-timeout")
+    lost = a.place.agreement.lost([1]) if a.place.agreement else {}
+    assert "--node-timeout" in lost.get(1, ""), lost
+    a.close(), b.close()
 
 
 def test_control_a_lost_node_nobody_replaces_gives_the_failure_back_naming_it(store, tmp_path):
-    agent_a, group_a, a = node(store, tmp_path, "a", 0, [0], join_timeout=0.2)
-    agent_b, group_b, b = node(store, tmp_path, "b", 1, [1])
-    assert not a.poll(agent_a, group_a) and not b.poll(agent_b, group_b)
-    b.finished(succeeded=False)
-    wait(tmp_path / "a", 0)
-    until(lambda: not a.poll(agent_a, group_a), "node a to give the failure back")
-    assert "no new node took the place of lost node(s) 1 within --join-timeout" in a.fallback
-    assert (tmp_path / "a" / "end-1").read_text() == a.fallback and a.ended
+    a, b = Node(store, tmp_path, 0, [0], join_timeout=0.2), Node(store, tmp_path, 1, [1])
+    assert not a.poll() and not b.poll()
+    b.lose()
+    wait(a.folder, 0)
+    until(lambda: not a.poll() and a.place.ended, "node a to give the failure back")
+    assert "no new node took the place of lost node(s) 1 within --join-timeout" in a.place.fallback
+    assert (a.folder / "end-1").read_text() == a.place.fallback
     # a new node arriving now finds no place: torch's rendezvous takes it in at the restart
-    assert recover.join(store, "127.0.0.1", 1, 0.0, 1.0) is None
-    a.finished()
+    assert join(store, wait=0.0, join_timeout=1.0) is None
+    a.close()
 
 
 def test_a_node_counted_lost_that_speaks_after_all_keeps_its_place(store, tmp_path):
-    agent_a, group_a, a = node(store, tmp_path, "a", 0, [0])
-    agent_b, group_b, b = node(store, tmp_path, "b", 1, [1])
-    assert not a.poll(agent_a, group_a) and not b.poll(agent_b, group_b)
-    b.nodes._stop.set()  # its beat stands still (an agent starved of a core), its node is alive
-    wait(tmp_path / "a", 0)
-
-    until(offered(store, agent_a, group_a, a), "node b's place offered")
-    wait(tmp_path / "b", 1)
-
-    until(settled((agent_a, group_a, a), (agent_b, group_b, b)), "both agents to go on")
-    go = json.loads((tmp_path / "a" / "go-1").read_text())
-    assert go["lost_nodes"] == [] and go["replaced"] == [] and not b.ended
-    assert recover.join(store, "127.0.0.1", 1, 0.0, 1.0) is None  # the place was withdrawn
-    a.finished(), b.finished()
+    a = Node(store, tmp_path, 0, [0], node_timeout=1.5)
+    b = Node(store, tmp_path, 1, [1], node_timeout=1.5)
+    assert not a.poll() and not b.poll()
+    b.link._stop.set()  # its beat stands still past --node-timeout (an agent stopped a while)
+    wait(a.folder, 0)
+    until(offered(store, a), "node b's place offered")
+    wait(b.folder, 1)  # it speaks
+    until(settled(a, b), "both agents to go on")
+    go = json.loads((a.folder / "go-1").read_text())
+    assert go["lost_nodes"] == [] and go["replaced"] == [] and not b.place.ended
+    assert join(store, wait=0.0, join_timeout=1.0) is None  # the place was withdrawn
+    a.close(), b.close()
 
 
 def test_a_node_that_finished_is_not_waited_for_and_the_failure_is_given_back(store, tmp_path):
-    agent_a, group_a, a = node(store, tmp_path, "a", 0, [0])
-    agent_b, group_b, b = node(store, tmp_path, "b", 1, [1])
-    assert not a.poll(agent_a, group_a) and not b.poll(agent_b, group_b)
-    b.finished()  # node b's workers succeeded; its agent waits at torch's exit barrier
-    agent_a.codes[0] = -9  # then rank 0 fails (in its last save, say)
-    until(lambda: not a.poll(agent_a, group_a), "node a to give the failure back")
-    assert a.fallback == "node(s) 1 had already finished" and a.ended
-    a.finished()
+    a, b = Node(store, tmp_path, 0, [0]), Node(store, tmp_path, 1, [1])
+    assert not a.poll() and not b.poll()
+    b.link.close(finished=True)  # node b's workers succeeded; its agent waits at torch's exit
+    a.workers.codes[0] = -9  # then rank 0 fails (in its last save, say)
+    until(lambda: not a.poll() and a.place.ended, "node a to give the failure back")
+    assert a.place.fallback == "node(s) 1 had already finished"
+    a.close()
 
 
 def test_a_node_that_never_says_what_its_ranks_did_is_not_waited_for_forever(
     store, tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(recover, "GRACE", 0.0)
-    agent_a, group_a, a = node(store, tmp_path, "a", 0, [0], timeout=0.0)
-    agent_b, group_b, b = node(store, tmp_path, "b", 1, [1])
-    assert not a.poll(agent_a, group_a) and not b.poll(agent_b, group_b)
-    wait(tmp_path / "a", 0)  # node b's agent beats but never polls again (stuck elsewhere)
-    until(lambda: not a.poll(agent_a, group_a), "node a to give the failure back")
-    assert "node(s) 1 did not say what their ranks did within" in a.fallback
-    a.finished(), b.finished()
+    monkeypatch.setattr(recover, "WORD_GRACE", 0.0)
+    a = Node(store, tmp_path, 0, [0], timeout=0.0, node_timeout=1.0)
+    b = Node(store, tmp_path, 1, [1], node_timeout=1.0)
+    assert not a.poll() and not b.poll()
+    wait(a.folder, 0)  # node b's agent beats but never polls again (stuck elsewhere)
+    until(lambda: not a.poll() and a.place.ended, "node a to give the failure back")
+    assert "node(s) 1 did not say what their ranks did within" in a.place.fallback
+    a.close(), b.close()
 
 
-def _lose_b(store, tmp_path, **kw):
-    """Nodes a (deciding) and b; b goes silent and a offers its place. (agent, group, InPlace)
-    of node a."""
-    agent_a, group_a, a = node(store, tmp_path, "a", 0, [0], **kw)
-    agent_b, group_b, b = node(store, tmp_path, "b", 1, [1])
-    assert not a.poll(agent_a, group_a) and not b.poll(agent_b, group_b)
-    b.finished(succeeded=False)
-    wait(tmp_path / "a", 0)
-    until(offered(store, agent_a, group_a, a), "node b's place offered")
-    return agent_a, group_a, a
+def _lose_b(store, tmp_path, **kw) -> Node:
+    """Nodes a (deciding) and b; b is lost and a offers its place. Node a."""
+    a, b = Node(store, tmp_path, 0, [0], **kw), Node(store, tmp_path, 1, [1])
+    assert not a.poll() and not b.poll()
+    b.lose()
+    wait(a.folder, 0)
+    until(offered(store, a), "node b's place offered")
+    return a
 
 
 def test_two_new_nodes_at_one_address_one_takes_the_place_the_other_is_told(store, tmp_path):
-    import threading
-
-    agent_a, group_a, a = _lose_b(store, tmp_path, join_timeout=600.0)
+    a = _lose_b(store, tmp_path, join_timeout=600.0)
     found: list = []
 
     def start() -> None:
         try:
-            found.append(recover.join(store, "127.0.0.1", 1, 5.0, 60.0))
+            found.append(join(store))
         except ConfigError as err:
             found.append(err)
 
@@ -447,42 +624,63 @@ def test_two_new_nodes_at_one_address_one_takes_the_place_the_other_is_told(stor
     for t in joiners:
         t.start()
     until(lambda: len(found) == 1, "one new node turned away")
-    until(settled((agent_a, group_a, a)), "node a to go on with the other")
+    until(settled(a), "node a to go on with the other")
     for t in joiners:
         t.join()
-    (place,) = [f for f in found if isinstance(f, recover.Joined)]
+    (place,) = [f for f in found if isinstance(f, nodes.Joined)]
     (refused,) = [f for f in found if isinstance(f, ConfigError)]
     assert place.node == 1 and "was taken by another new node" in str(refused)
-    place.link.close(), a.finished()
+    place.link.close(), a.close()
 
 
 def test_a_new_node_waiting_in_torchs_rendezvous_ends_the_offer_at_once(store, tmp_path):
-    agent_a, group_a, a = _lose_b(store, tmp_path, join_timeout=600.0)
-    group_a.spec.rdzv_handler.nodes_waiting = lambda: 1
-    until(lambda: not a.poll(agent_a, group_a), "node a to give the failure back")
-    assert a.fallback == recover.NODE_WAITING and a.ended
-    a.finished()
+    a = _lose_b(store, tmp_path, join_timeout=600.0)
+    a.waiting = 1
+    until(lambda: not a.poll() and a.place.ended, "node a to give the failure back")
+    assert a.place.fallback == recover.NODE_WAITING
+    a.close()
 
 
-def test_a_worker_whose_agent_is_gone_stops_waiting_for_its_word(tmp_path, monkeypatch):
-    import threading
+def test_a_new_node_started_before_the_loss_waits_for_the_place_and_takes_it(store, tmp_path):
+    a = Node(store, tmp_path, 0, [0], join_timeout=600.0)
+    b = Node(store, tmp_path, 1, [1])
+    assert not a.poll() and not b.poll()
+    # Control: with no job running at its full size, a new node goes to torch's rendezvous.
+    job = store.get(nodes.KEY + "job")
+    store.delete_key(nodes.KEY + "job")
+    assert join(store, wait=0.0) is None
+    store.set(nodes.KEY + "job", job)
+    places: list = []
+    joiner = threading.Thread(target=lambda: places.append(join(store)))
+    joiner.start()  # every node's agent answers: the new node waits for a place
+    joiner.join(1.0)
+    assert joiner.is_alive() and places == []
+    b.lose()  # now node b is lost
+    wait(a.folder, 0)
+    until(settled(a), "node a to go on with the new node")
+    joiner.join()
+    (place,) = places
+    assert place.node == 1 and place.go["lost_nodes"] == [1]
+    place.link.close(), a.close()
 
-    monkeypatch.setenv(recover.DIR_ENV, str(tmp_path))
-    monkeypatch.setenv("DDPKIT_AGENT_PID", str(os.getppid()))
-    monkeypatch.setattr(recover, "_handled", 0)  # the recoveries this process cut its links for
-    left: list = []
-    waiting = threading.Thread(target=lambda: left.append(recover.leave(RuntimeError("x"))))
-    waiting.start()
-    until(lambda: (tmp_path / "wait-1.0").exists(), "the worker's word")
-    waiting.join(0.3)
-    assert waiting.is_alive()  # its agent lives: it waits for the go or the end
-    (tmp_path / "end-1").write_text("why")
-    waiting.join()
-    assert left == [None]
-    # with its agent gone it does not wait
-    monkeypatch.setenv("DDPKIT_AGENT_PID", str(os.getppid() + 1))
-    (tmp_path / "last").write_text("1")
-    assert recover.leave(RuntimeError("x")) is None and (tmp_path / "wait-2.0").exists()
+
+def test_the_job_store_lost_ends_this_nodes_workers_naming_it(store, tmp_path):
+    a, b = Node(store, tmp_path, 0, [0]), Node(store, tmp_path, 1, [1])
+    assert not a.poll() and not b.poll()
+
+    class Gone:
+        def __getattr__(self, name: str):
+            raise RuntimeError("Connection reset by peer")
+
+    a.place.agreement.store = Gone()  # type: ignore[union-attr]
+    a.place.node_timeout = 0.5
+    a.workers.codes[0] = -9
+    assert a.poll()  # once: no verdict yet
+    until(lambda: not a.poll(), "node a to end its workers past --node-timeout")
+    assert "the job's rendezvous store does not answer this node" in a.place.fallback
+    assert a.place.left_job() and a.workers.restarts == 0
+    assert a.workers.killed and "ended: the job's rendezvous store" in a.workers.killed[0][1]
+    a.close(), b.close()
 
 
 def test_a_node_refused_a_place_leaves_the_rendezvous_open():
@@ -496,38 +694,11 @@ def test_a_node_refused_a_place_leaves_the_rendezvous_open():
     assert handler.shutdown() and closed == [True]
 
 
-def test_a_new_node_started_before_the_loss_waits_for_the_place_and_takes_it(store, tmp_path):
-    import threading
-
-    agent_a, group_a, a = node(store, tmp_path, "a", 0, [0], join_timeout=600.0)
-    agent_b, group_b, b = node(store, tmp_path, "b", 1, [1])
-    assert not a.poll(agent_a, group_a) and not b.poll(agent_b, group_b)
-    # Control: with no job running at its full size, a new node goes to torch's rendezvous.
-    job = store.get(recover.KEY + "job")
-    store.delete_key(recover.KEY + "job")
-    assert recover.join(store, "127.0.0.1", 1, 0.0, 60.0) is None
-    store.set(recover.KEY + "job", job)
-    places: list = []
-    joiner = threading.Thread(
-        target=lambda: places.append(recover.join(store, "127.0.0.1", 1, 5.0, 60.0))
-    )
-    joiner.start()  # node b still beats: the new node waits for a place
-    joiner.join(3 * (recover.LOST_AFTER + recover.BEAT))  # past its look at the beats
-    assert joiner.is_alive() and places == []
-    b.finished(succeeded=False)  # now node b is lost
-    wait(tmp_path / "a", 0)
-    until(settled((agent_a, group_a, a)), "node a to go on with the new node")
-    joiner.join()
-    (place,) = places
-    assert place.node == 1 and place.go["lost_nodes"] == [1]
-    place.link.close(), a.finished()
-
-
-def test_a_job_on_all_its_nodes_restarts_for_no_node_waiting_in_torchs_rendezvous():
+def test_a_job_on_all_its_nodes_restarts_for_no_node_waiting_in_torchs_rendezvous(tmp_path):
     from ddpkit._launch.rendezvous.backend import WorkersStoreHandler
 
     inner = SimpleNamespace(num_nodes_waiting=lambda: 1)
-    place = SimpleNamespace(incident=None)
+    place = recover.InPlace(tmp_path)
     handler = WorkersStoreHandler(inner, "127.0.0.1", None, place, max_nodes=2)  # type: ignore[arg-type]
     handler._size = 2
     assert handler.num_nodes_waiting() == 0 and handler.nodes_waiting() == 1

@@ -16,6 +16,7 @@ from ddpkit._errors import ConfigError
 from ddpkit._launch.agent.failure import cause, summarize_failure
 from ddpkit._launch.cli.options import build_parser, config_from_args
 from ddpkit._launch.watch import stall as watch
+from ddpkit.distributed import _channels as channels
 from ddpkit.distributed import _progress as progress
 from ddpkit.distributed._progress import MAGIC, RECORD, Phase
 
@@ -188,8 +189,15 @@ def test_process_state_tells_a_stopped_process_from_a_sleeping_one():
     assert watch.process_state(proc.pid) == "gone"
 
 
+def _job_folder(tmp_path, monkeypatch):
+    """``tmp_path`` as the job folder; the progress records' folder in it."""
+    monkeypatch.setenv(channels.JOB_DIR_ENV, str(tmp_path))
+    (tmp_path / channels.PROGRESS).mkdir()
+    return tmp_path / channels.PROGRESS
+
+
 def test_marks_write_a_record_the_watch_reads(tmp_path, monkeypatch):
-    monkeypatch.setenv(progress.DIR_ENV, str(tmp_path))
+    tmp_path = _job_folder(tmp_path, monkeypatch)
     monkeypatch.setenv("RANK", "3")
     for name in ("_buf", "_ints", "_floats"):
         monkeypatch.setattr(progress, name, None)
@@ -211,7 +219,7 @@ def test_the_group_timeout_reaches_the_record_with_the_first_mark_not_before(tmp
     """``ddpkit.init`` records its group's collective timeout for the watch's cap; a rank with no
     mark yet keeps no record (it holds the watch's judgement, as before: rank 0 downloading before
     its first mark is no stall)."""
-    monkeypatch.setenv(progress.DIR_ENV, str(tmp_path))
+    tmp_path = _job_folder(tmp_path, monkeypatch)
     monkeypatch.setenv("RANK", "2")
     for name in ("_buf", "_ints", "_floats"):
         monkeypatch.setattr(progress, name, None)
@@ -229,7 +237,7 @@ def test_the_group_timeout_reaches_the_record_with_the_first_mark_not_before(tmp
 
 
 def test_outside_ddpkit_run_marks_write_nothing(tmp_path, monkeypatch):
-    monkeypatch.delenv(progress.DIR_ENV, raising=False)
+    monkeypatch.delenv(channels.JOB_DIR_ENV, raising=False)
     for name in ("_buf", "_ints", "_floats"):
         monkeypatch.setattr(progress, name, None)
     monkeypatch.setattr(progress, "_opened", False)

@@ -1,6 +1,6 @@
 """The stall watch across nodes: the decision on hand-made summaries, their encoding, and the
-exchange through a real store (in this process). The jobs across two network-namespace nodes are in
-``tests/jobs/launch/test_stalls_nodes.py``."""
+exchange through the nodes' links on a real store (in this process). The jobs across two
+network-namespace nodes are in ``tests/jobs/launch/test_stalls_nodes.py``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from ddpkit._launch.rendezvous.link import NodeLink
 from ddpkit._launch.watch import stall as watch
 from ddpkit._launch.watch import verdict as watch_nodes
 from ddpkit._launch.watch.verdict import View, decide, decode, encode
@@ -124,44 +125,51 @@ def _until(condition, timeout: float = 30.0) -> None:
     wait_until(condition, timeout, interval=0.02, max_interval=0.02)
 
 
-def test_two_exchanges_see_each_other_and_age_a_silent_node(store):
-    a = watch_nodes.Exchange(store, 0, 2, every=0.05)
-    b = watch_nodes.Exchange(store, 1, 2, every=0.05)
+def test_two_links_see_each_others_summary_and_a_watch_ages_a_silent_node(store, tmp_path):
+    a, b = NodeLink(store, "r", 0, 2), NodeLink(store, "r", 1, 2)
     try:
         a.publish(encode(0, "host0", 1, set(), [WAITING]), want=True)
         b.publish(encode(1, "host1", 1, set(), [STALLED]), want=True)
-        _until(lambda: a.views()[0] and b.views()[0])
-        assert [v.rank for v in a.views()[0]] == [1] and [v.rank for v in b.views()[0]] == [0]
+        _until(lambda: 1 in a.summaries() and 0 in b.summaries())
+        w = watch.Watch(tmp_path, watch.StallPolicy(floor=3.0), None)
+        w.connect(a, 0, 2)
+        assert [v.rank for v in w._views()[0]] == [1]
         # Node 1's agent says nothing new: its rank's idle time grows on node 0's clock.
-        first = a.views()[0][0].idle
-        _until(lambda: a.views()[0][0].idle > first + 0.2)
+        first = w._views()[0][0].idle
+        _until(lambda: w._views()[0][0].idle > first + 0.2)
         # It names rank 1, then its ranks exit: the summary says so, and node 0 no longer counts
         # them.
         b.publish(encode(1, "host1", 2, {1}, [STALLED]), want=True)
-        _until(lambda: a.views()[1] == {1})
-        b.close(encode(1, "host1", 3, {1}, []))
-        _until(lambda: a.views()[0] == [])
+        _until(lambda: w._views()[1] == {1})
+        b.close(last=encode(1, "host1", 3, {1}, []))
+        _until(lambda: w._views()[0] == [])
     finally:
         a.close()
         b.close()
 
 
-class _Gone:
-    """A store whose host went away: every call fails, as torch's client does then."""
-
-    def __getattr__(self, name: str):
-        def fail(*args, **kwargs):
-            raise RuntimeError("Connection reset by peer")
-
-        return fail
-
-
 def test_a_store_that_is_gone_never_reaches_the_watch():
-    ex = watch_nodes.Exchange(_Gone(), 0, 2, every=0.02)
-    ex.publish(encode(0, "host0", 1, set(), [WAITING]), want=True)
-    _until(lambda: ex.failures >= 3)
-    assert ex.views() == ([], set())
-    ex.close()
+    import subprocess
+    import sys
+
+    serve = (
+        "import time, torch.distributed as d; s = d.TCPStore('127.0.0.1', 0, is_master=True, "
+        "wait_for_workers=False); print(s.port, flush=True); time.sleep(600)"
+    )
+    host = subprocess.Popen([sys.executable, "-c", serve], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(host.stdout.readline())
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=2))
+        link = NodeLink(client, "r", 0, 2)
+        link.publish(encode(0, "host0", 1, set(), [WAITING]), want=True)
+        _until(lambda: link.unanswered() < 1.0)  # it beat
+        host.kill()  # the store's host is gone
+        _until(lambda: link.unanswered() > 1.0)
+        assert link.summaries() == {}
+        link.close()
+    finally:
+        host.kill()
+        host.wait()
 
 
 def _record(folder: Path, rank: int, step: int, seq: int) -> None:
@@ -209,9 +217,9 @@ def test_two_nodes_watches_name_the_rank_and_the_wait(store, tmp_path, capsys):
     assert poll_all(1004.0) == [None, None]  # control: not connected
     assert "stalled" not in capsys.readouterr().err
 
+    links = [NodeLink(store, "r", n, 2) for n in (0, 1)]
     for n, w in enumerate(watches):
-        w.connect(store, n, 2)
-        w.exchange.every = 0.05  # type: ignore[union-attr]
+        w.connect(links[n], n, 2)
     try:
         _until(lambda: bool(poll_all(1005.0)) and all(w._warned for w in watches))
         err = capsys.readouterr().err
@@ -224,8 +232,9 @@ def test_two_nodes_watches_name_the_rank_and_the_wait(store, tmp_path, capsys):
         # After the job's end, node 0's summary says where rank 1 was, from node 1's word.
         assert "rank 1 on host host1 at step 5" in watches[0].where(), watches[0].where()
     finally:
-        for w in watches:
+        for w, link in zip(watches, links):
             w.disconnect()
+            link.close()
 
 
 def test_a_rank_its_agent_named_is_reported_before_this_nodes_ranks_spend_their_allowance():
@@ -238,11 +247,13 @@ def test_a_rank_its_agent_named_is_reported_before_this_nodes_ranks_spend_their_
 
 
 class _Heard:
-    def __init__(self, heard: dict[int, frozenset[int]]) -> None:
-        self._heard = heard
+    """A link that read the other nodes' summaries: each says which ranks its own wait for."""
 
-    def heard(self) -> dict[int, frozenset[int]]:
-        return self._heard
+    def __init__(self, heard: dict[int, frozenset[int]]) -> None:
+        self.heard = {n: encode(n, "h", 1, set(), [], said) for n, said in heard.items()}
+
+    def summaries(self) -> dict[int, tuple[bytes, float]]:
+        return {n: (data, 0.0) for n, data in self.heard.items()}
 
 
 def test_the_named_ranks_agent_ends_it_once_every_other_node_has_said_where_its_ranks_wait(
@@ -250,9 +261,9 @@ def test_the_named_ranks_agent_ends_it_once_every_other_node_has_said_where_its_
 ):
     link = watch.Watch(tmp_path, watch.StallPolicy(), None)
     assert link.heard([1])  # one node: nobody to hear
-    link.exchange = _Heard({0: frozenset(), 2: frozenset({1})})  # type: ignore[assignment]
+    link.link = _Heard({0: frozenset(), 2: frozenset({1})})  # type: ignore[assignment]
     assert not link.heard([1])  # node 0 has not said so yet
-    link.exchange = _Heard({0: frozenset({1}), 2: frozenset({1})})  # type: ignore[assignment]
+    link.link = _Heard({0: frozenset({1}), 2: frozenset({1})})  # type: ignore[assignment]
     assert link.heard([1])
 
 
@@ -274,9 +285,9 @@ def test_a_waiting_node_ends_its_own_workers_when_the_stalled_ranks_agent_stays_
         w.start_attempt({0: (0, child.pid)})
         data = RECORD.pack(MAGIC, child.pid, 1, Phase.LOOP, 30, 6, 6, 0, -1, 0.0, 0.1, 0.0)
         (tmp_path / "rank0.progress").write_bytes(data)
-        store.set(watch_nodes.KEY.format(1), encode(1, "host1", 1, named, [STALLED]))
-        w.connect(store, 0, 2)
-        w.exchange.every = 0.05  # type: ignore[union-attr]
+        store.set("ddpkit/nodes/r/summary/1", encode(1, "host1", 1, named, [STALLED]))
+        link = NodeLink(store, "r", 0, 2)
+        w.connect(link, 0, 2)
 
         def poll(t: float):
             clock.now = t
@@ -295,6 +306,7 @@ def test_a_waiting_node_ends_its_own_workers_when_the_stalled_ranks_agent_stays_
             assert child.wait(timeout=30) == -9
     finally:
         w.disconnect()
+        link.close()
         child.kill()
         child.wait()
 

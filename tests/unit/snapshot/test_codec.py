@@ -592,12 +592,11 @@ def fit_with_memory(tmp: pathlib.Path, value: Any, monkeypatch: Any) -> None:
     """A Trainer of one process whose snapshots in memory are on (a memory folder, as
     ``ddpkit run``'s agent makes one): their first save is after step 1, the first disk snapshot at
     the epoch's end (step 4)."""
-    from ddpkit.snapshot import _slots as memory_folder
+    from ddpkit.distributed._channels import JOB_DIR_ENV, MEMORY
     from ddpkit.training._config import LoggingConfig, SnapshotConfig, TrainerConfig
 
-    (tmp / "mem").mkdir()
-    monkeypatch.setenv(memory_folder.DIR_ENV, str(tmp / "mem"))
-    monkeypatch.setenv(memory_folder.KEY_ENV, "key")
+    (tmp / "job" / MEMORY).mkdir(parents=True)
+    monkeypatch.setenv(JOB_DIR_ENV, str(tmp / "job"))
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))

@@ -4,18 +4,13 @@ its keys, memory full, the job's folder, and where ranks agree to resume."""
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
 import torch
 
 from ddpkit._errors import ConfigError
-from ddpkit._launch import proctree
 from ddpkit.snapshot import _codec as codec
 from ddpkit.snapshot import _codec as region
 from ddpkit.snapshot import _slots as mf
@@ -163,85 +158,6 @@ def test_the_run_key_is_the_run_directorys_absolute_path(tmp_path, monkeypatch):
     assert ms.run_key("runs/a") == ms.run_key(tmp_path / "runs" / "a") != ms.run_key("runs/b")
 
 
-# -- the job's folder ------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def base(tmp_path, monkeypatch):
-    """This user's private folder of job folders under a fresh root, no job's variables set."""
-    monkeypatch.setenv(mf.ROOT_ENV, str(tmp_path))
-    for name in (mf.DIR_ENV, mf.KEY_ENV, mf.UNAVAILABLE_ENV):
-        monkeypatch.delenv(name, raising=False)
-    base = tmp_path / f"ddpkit-memory-{os.getuid()}"
-    base.mkdir(mode=0o700)
-    return base
-
-
-def test_the_job_folder_is_private_and_stale_folders_of_dead_agents_are_swept(base):
-    # A folder whose agent was SIGKILLed (the pid is dead), and one of a live agent (another job on
-    # the node).
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    stale, live = base / "stale", base / "live"
-    for folder, pid in ((stale, dead.pid), (live, os.getppid())):
-        folder.mkdir()
-        (folder / "owner").write_text(f"{pid} {proctree.start_time(pid)}\n")
-        (folder / "run-rank0-0.slot").write_bytes(b"x")
-    folder = mf.open_job_folder()
-    assert folder is not None and folder.parent == base and os.environ[mf.DIR_ENV] == str(folder)
-    assert not stale.exists() and live.exists()
-    assert (
-        oct(folder.stat().st_mode & 0o777) == "0o700"
-        and oct(base.stat().st_mode & 0o777) == "0o700"
-    )
-    key = mf.job_key()
-    assert key is not None and key.endswith(f":{os.environ[mf.KEY_ENV]}")
-    mf.close_job_folder()
-    assert not folder.exists() and mf.DIR_ENV not in os.environ
-
-
-def test_a_folder_another_agent_is_setting_up_is_not_swept_but_an_abandoned_one_is(base):
-    # Two jobs start on one node: the other agent has made its ".<nonce>" folder and not yet
-    # written its owner in it. Control: swept by the owner check alone, it is removed under the
-    # other agent, whose memory snapshots are then off.
-    setting_up, abandoned = base / ".1111", base / ".2222"
-    setting_up.mkdir()
-    abandoned.mkdir()
-    old = time.time() - mf.SETUP_SECONDS - 1
-    os.utime(abandoned, (old, old))
-    assert mf.open_job_folder() is not None
-    assert setting_up.exists() and not abandoned.exists()
-    mf.close_job_folder()
-
-
-def test_a_folder_renamed_by_another_agent_during_the_sweep_is_passed_over(base, monkeypatch):
-    # The other agent renames its ".<nonce>" into place between this sweep's listing and its look
-    # at the folder. Control: the vanished folder's FileNotFoundError turned memory off.
-    moving = base / ".3333"
-    moving.mkdir()
-    owner_alive = mf._owner_alive
-
-    def renamed_meanwhile(folder):
-        if folder == moving:
-            moving.rename(base / "3333")
-        return owner_alive(folder)
-
-    monkeypatch.setattr(mf, "_owner_alive", renamed_meanwhile)
-    assert mf.open_job_folder() is not None and mf.UNAVAILABLE_ENV not in os.environ
-    mf.close_job_folder()
-
-
-def test_a_base_folder_open_to_others_is_refused_and_the_reason_kept(tmp_path, monkeypatch):
-    monkeypatch.setenv(mf.ROOT_ENV, str(tmp_path))
-    monkeypatch.delenv(mf.DIR_ENV, raising=False)
-    monkeypatch.delenv(mf.UNAVAILABLE_ENV, raising=False)
-    (tmp_path / f"ddpkit-memory-{os.getuid()}").mkdir()
-    os.chmod(tmp_path / f"ddpkit-memory-{os.getuid()}", 0o777)
-    assert mf.open_job_folder() is None and mf.DIR_ENV not in os.environ
-    assert "open to others" in os.environ[mf.UNAVAILABLE_ENV]
-    mf.close_job_folder()
-
-
 def test_the_memory_interval_is_checked_where_it_is_given():
     assert SnapshotConfig(memory=True, memory_every_steps=4).memory_every_steps == 4
     with pytest.raises(Exception, match="memory_every_steps=0 is not valid"):
@@ -274,19 +190,3 @@ def test_a_rank_without_state_is_served_by_a_rank_that_holds_every_ranks_part():
     assert choose([_offer([a, b]), _offer([a, b]), _offer()], -1) is None
     # A rank that took another's place holds that rank's slots with peers only: it is served too.
     assert choose([_offer([], [b]), _offer()], -1) == Choice(b, 0, (0, 1))
-
-
-def test_the_stall_watchs_records_go_in_the_job_folder_even_with_memory_snapshots_off(
-    tmp_path, monkeypatch
-):
-    from ddpkit._launch.watch import stall as watch
-
-    monkeypatch.setenv(mf.ROOT_ENV, str(tmp_path))
-    for name in (mf.DIR_ENV, mf.KEY_ENV, mf.UNAVAILABLE_ENV, watch.DIR_ENV):
-        monkeypatch.delenv(name, raising=False)
-    job = mf.open_job_folder(memory=False)
-    assert job is not None and mf.DIR_ENV not in os.environ and mf.KEY_ENV not in os.environ
-    watch.open_folder(job, tmp_path / "disk")
-    assert os.environ[watch.DIR_ENV] == str(job / "progress") and (job / "progress").is_dir()
-    mf.close_job_folder()
-    assert not job.exists()

@@ -1,6 +1,6 @@
 """torchrun's elastic agent as ``ddpkit run`` runs it (:class:`Agent`, installed by
 :func:`install`): pre-emption, signals, the stall watch, stacks and failure summaries, the fork
-server, and the job's folder in shared memory (docs/launcher.md)."""
+server, in-place recovery, and the job's folder (docs/launcher.md)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,118 +22,161 @@ from ddpkit._errors import PREEMPTED_EXIT_CODE, ConfigError
 from ddpkit._internals.elastic import HookedAgent, use_agent
 from ddpkit._launch import say
 from ddpkit._launch.agent import forkserver as forked
-from ddpkit._launch.agent import worker
+from ddpkit._launch.agent import jobdir
 from ddpkit._launch.agent.failure import Left, preempted, summarize_failure
-from ddpkit._launch.proctree import kill_descendants, send
-from ddpkit._launch.recover import inplace as recover
+from ddpkit._launch.proctree import kill_descendants, send, state_code
+from ddpkit._launch.recover.inplace import InPlace, Round
+from ddpkit._launch.rendezvous.link import NodeLink
 from ddpkit._launch.watch import stall as watch
+from ddpkit._launch.watch.verdict import STOPPED
+from ddpkit.distributed import _channels as channels
 from ddpkit.distributed._progress import Phase
-from ddpkit.snapshot import _slots as memory_folder
+
+
+@dataclass
+class Attempt:
+    """One start of the workers (the first, or torchrun's restart): what the agent knows of it.
+    A recovery in place goes on in the same attempt, with new pids for the ranks it replaced."""
+
+    ranks: dict[int, int]  # global rank -> local rank
+    watched: bool = False  # the stall watch knows its workers' pids
+    stacks_asked: bool = False  # the running workers' stacks were asked after a failure
+    polls: int = 0
+    exit_seen: dict[int, int] = field(default_factory=dict)  # local rank -> first poll it exited
+    whole_restart: bool = False  # in-place recovery gave it back to torchrun
+    running: bool = False  # this poll's own look found every worker running (in place)
 
 
 class Agent(HookedAgent):
     """torchrun's agent with the changes torchrun has no option for: a worker that exits with
     :data:`~ddpkit._errors.PREEMPTED_EXIT_CODE` stops the job instead of being restarted; the stall
     watch polled with the workers; stacks asked of the running workers before torchrun stops them;
-    and, once they are stopped, every process still below the agent (a child subreaper) ended."""
+    in-place recovery polled first; and, once the workers are stopped, every process still below
+    the agent (a child subreaper) ended. Its in-place recovery sees it as
+    :class:`~ddpkit._launch.recover.inplace.Workers`."""
 
     current: Agent | None = None
     policy = watch.StallPolicy(floor=0)  # set by install()
-    in_place: recover.InPlace | None = None  # set by install() where --recover in-place applies
+    in_place: InPlace | None = None  # set by install() where --recover in-place applies
+    node_timeout = 30.0  # set by install()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._stacks_asked: int | None = None
-        self._watched: int | None = None
-        self._published_to: Any = None
-        folder = os.environ.get(watch.DIR_ENV)
-        self.watch = watch.Watch(Path(folder), self.policy, _stack_dir()) if folder else None
+        progress = channels.channel(channels.PROGRESS)
+        self.watch = watch.Watch(progress, self.policy, True) if progress is not None else None
+        self.attempt: Attempt | None = None
+        self.link: NodeLink | None = None  # across nodes, this round's
+        self._round: str | None = None
         # what the last failed attempt showed (for its summary)
         self.where = ""
         self.left: list[Left] = []
-        self._polls = 0
-        self._exits_of: int | None = None
-        self._exit_seen: dict[int, int] = {}  # local rank -> the poll that first saw it exited
-        self._whole_restart: int | None = None  # the attempt in-place recovery gave up on
-        self._running = False  # in place: this poll's own look found every worker running
         Agent.current = self
 
-    def intercept(self, worker_group: Any) -> bool:
-        self._running = False
-        attempt = id(self.process_context())
-        if self.in_place is None or self._whole_restart == attempt:
-            return False
-        if self.in_place.poll(self, worker_group):
-            return True
-        if self.in_place.ended:  # torchrun takes this attempt over
-            self.in_place.ended = False
-            self._whole_restart = attempt
-            return False
-        # a worker that exits from here on is the next poll's failure, recovered in place
-        self._running = self.in_place.running
-        return False
+    # -- an attempt's start ------------------------------------------------------------------------
 
-    def seen_running(self) -> bool:
-        return self._running
+    def start_env(self, worker_group: Any) -> dict[str, str]:
+        # a node taking a lost node's place: its workers start in the recovery, at its count
+        in_place = self.in_place
+        if in_place is not None and in_place.joined is not None:
+            in_place.joined_start(in_place.joined, self)
+        return {}
 
-    def stop_late(self, ranks: list[int], worker_group: Any, waited: float) -> None:
-        """SIGKILL the workers of ``ranks``, which did not leave their step within ``waited``
-        seconds of a failure recovered in place, saying where each was (its stack)."""
-        say(
-            f"rank(s) {', '.join(map(str, ranks))} did not leave their step within {waited:g} s "
-            "of the failure: killed, to be replaced"
-        )
-        pids = {w.global_rank: w.id for w in worker_group.workers}
-        folder = _stack_dir()
-        where = worker.ask_stacks(folder, {r: pids[r] for r in ranks}) if folder else {}
+    def after_start(self, worker_group: Any) -> None:
+        workers = worker_group.workers
+        self.attempt = Attempt({w.global_rank: w.local_rank for w in workers})
+        handler = worker_group.spec.rdzv_handler
+        nodes = worker_group.group_world_size or 1
+        round_name = getattr(handler, "round_name", "") or ""
+        if self.link is not None and round_name != self._round:
+            self.link.close()
+            self.link = None
+        in_place = self.in_place
+        if nodes > 1 and self.link is None and getattr(handler, "base", None) is not None:
+            if in_place is not None and in_place.joined is not None:  # beating since its claim
+                self.link, in_place.joined = in_place.joined.link, None
+            else:
+                self.link = NodeLink(
+                    handler.base, round_name, worker_group.group_rank, nodes, handler.addr,
+                    self.node_timeout,
+                )  # fmt: skip
+        self._round = round_name
+        if self.watch is not None:
+            addr = getattr(worker_group.spec, "local_addr", None)  # not in every torch version
+            self.watch.connect(self.link, worker_group.group_rank or 0, nodes, addr)
+        if self.in_place is not None:
+            addr = getattr(handler, "addr", None) or "127.0.0.1"
+            ranks = sorted(self.attempt.ranks)
+            waiting = getattr(handler, "nodes_waiting", lambda: 0)
+            self.in_place.start(Round(round_name, worker_group.group_rank or 0, nodes, addr, ranks,
+                                      self.link, waiting))  # fmt: skip
+
+    # -- in-place recovery's view of the agent (recover.inplace.Workers) ---------------------------
+
+    def exit_codes(self) -> dict[int, int | None]:
+        processes = self.worker_processes()
+        ranks = self.attempt.ranks if self.attempt is not None else {}
+        return {g: processes[local].poll() for g, local in ranks.items() if local in processes}
+
+    def pids(self) -> dict[int, int]:
+        processes = self.worker_processes()
+        ranks = self.attempt.ranks if self.attempt is not None else {}
+        return {g: processes[local].pid for g, local in ranks.items() if local in processes}
+
+    def kill(self, ranks: list[int], why: str) -> None:
+        """SIGKILL the workers of ``ranks``, saying why, and where each was (its stack)."""
+        say(f"rank(s) {', '.join(map(str, ranks))} {why}, to be replaced")
+        pids = self.pids()
+        # a stopped process cannot answer: its stack is not asked
+        asked = {r: pids[r] for r in ranks if r in pids and state_code(pids[r]) not in STOPPED}
+        where = channels.ask_stacks(asked)
         for rank, frames in where.items():
             say(f"rank {rank} was at (innermost first):")
             for frame in frames:
                 say(f"  {frame}")
-        send([pids[r] for r in ranks], signal.SIGKILL)
+        send([pids[r] for r in ranks if r in pids], signal.SIGKILL)
 
-    def stop_workers(self) -> None:
-        """SIGKILL every worker of the attempt (this node was replaced)."""
-        send(self.worker_pids(), signal.SIGKILL)
+    def stall_ended(self) -> bool:
+        stall = self.stall
+        return stall is not None and not stall.stopped
 
-    def recovered(self) -> None:
+    def went_on(self) -> None:
         """The workers went on after a recovery in place: the stall watch starts anew."""
-        self._watched = self._exits_of = self._stacks_asked = None
+        if self.attempt is not None:
+            self.attempt.watched = self.attempt.stacks_asked = False
+            self.attempt.exit_seen = {}
 
-    def start_env(self, worker_group: Any) -> dict[str, str]:
-        # a node taking a lost node's place: its workers start in the recovery, at its count
-        handler = worker_group.spec.rdzv_handler
-        joined = getattr(handler, "joined", None)
-        if joined is None or self.in_place is None:
-            return {}
-        handler.joined = None
-        self.restarts_from(joined.go["restart_count"])
-        return {recover.GO_ENV: str(self.in_place.joined(joined, worker_group.store))}
+    # -- each poll ---------------------------------------------------------------------------------
+
+    def intercept(self, worker_group: Any) -> bool:
+        attempt = self.attempt
+        if attempt is None:
+            return False
+        attempt.running = False
+        if self.in_place is None or attempt.whole_restart:
+            return False
+        if self.in_place.poll(self):
+            return True
+        if self.in_place.ended:  # torchrun takes this attempt over
+            self.in_place.ended = False
+            attempt.whole_restart = True
+            return False
+        # a worker that exits from here on is the next poll's failure, recovered in place
+        attempt.running = self.in_place.running
+        return False
+
+    def seen_running(self) -> bool:
+        return self.attempt is not None and self.attempt.running
 
     def before_monitor(self, worker_group: Any) -> None:
         self._stacks_before_teardown(worker_group)
-        if self.watch is None:
+        attempt = self.attempt
+        if self.watch is None or attempt is None:
             return
-        processes = self.worker_processes()
-        attempt = id(self.process_context())
-        if self._watched != attempt and processes:
-            self._watched = attempt
-            self.watch.start_attempt(
-                {
-                    w.global_rank: (w.local_rank, processes[w.local_rank].pid)
-                    for w in worker_group.workers
-                }
-            )
-        store = getattr(worker_group, "store", None)
-        if store is not None and self._published_to is not store and processes:
-            self._published_to = store
-            addr = getattr(worker_group.spec, "local_addr", None)  # not in every torch version
-            self.watch.connect(
-                store, worker_group.group_rank or 0, worker_group.group_world_size or 1, addr
-            )
-        running = {
-            w.global_rank for w in worker_group.workers if processes[w.local_rank].poll() is None
-        }
+        pids = self.pids()
+        if not attempt.watched and pids:
+            attempt.watched = True
+            self.watch.start_attempt({g: (attempt.ranks[g], pid) for g, pid in pids.items()})
+        running = {g for g, code in self.exit_codes().items() if code is None}
         if (stall := self.watch.poll(running)) is not None and stall.disagreement:
             say(stall.disagreement)  # named, and they wait in different ops
 
@@ -148,20 +192,27 @@ class Agent(HookedAgent):
                         r.record = r.collective
                 self.where = self.watch.where()
             self.watch.disconnect()  # the other nodes no longer count this node's ranks
-            self._published_to = None
-        if result.state == WorkerState.SUCCEEDED and self.in_place is not None:
-            self.in_place.finished()
+        if result.state == WorkerState.SUCCEEDED:
+            self.end_round(succeeded=True)
         if not failed:
             return
         if preempted(result.failures):
             self.stop_restarting()
             return
-        if self.in_place is not None:
-            self.in_place.finished(succeeded=False)  # torchrun restarts the job, or it ends
+        self.end_round(succeeded=False)  # torchrun restarts the job, or it ends
         if self.restarts_left() > 0:  # torchrun restarts next: say what failed, as at a job's end
             print(self.summary(result), file=sys.stderr, flush=True)
             left = self.restarts_left() - 1
             say(f"restarting the workers ({left} restart(s) left after this one)")
+
+    def end_round(self, succeeded: bool) -> None:
+        """This node's part in the round ends: its link stops beating (``succeeded``: its silence
+        from now on is no loss)."""
+        if self.in_place is not None:
+            self.in_place.finished()
+        if self.link is not None:
+            self.link.close(finished=succeeded)
+            self.link, self._round = None, None
 
     @property
     def stall(self) -> watch.Stall | None:
@@ -178,25 +229,27 @@ class Agent(HookedAgent):
     def _stacks_before_teardown(self, worker_group: Any) -> None:
         # torchrun stops the other workers in the poll that finds a failed one: ask their stacks
         # first, only after an exception (a delay would stamp a killed worker later than it died)
+        attempt = self.attempt
+        if attempt is None:
+            return
         codes = {local: proc.poll() for local, proc in self.worker_processes().items()}
-        self._polls += 1
+        attempt.polls += 1
         self._note_exits(codes)
         failed = {
             local
             for local, code in codes.items()
             if code is not None and code > 0 and code != PREEMPTED_EXIT_CODE
         }
-        attempt = id(self.process_context())
-        folder = _stack_dir()
-        if failed and self._stacks_asked != attempt and folder is not None:
-            self._stacks_asked = attempt
+        folder = channels.channel(channels.STACKS)
+        if failed and not attempt.stacks_asked and folder is not None:
+            attempt.stacks_asked = True
             for w in worker_group.workers:  # this node's earlier answers go first
                 with contextlib.suppress(OSError, ConfigError):
                     fs.remove(folder / f"rank{w.global_rank}.txt")
             running = {
                 w.global_rank: w.id for w in worker_group.workers if codes.get(w.local_rank) is None
             }
-            worker.ask_stacks(folder, running)  # their answers awaited 3 s at most
+            channels.ask_stacks(running)  # their answers awaited 3 s at most
         if any(code is not None and code != 0 for code in codes.values()):
             # torchrun's SIGTERM, then 30 s: a stopped process would hold the job's end that long
             stopped = [
@@ -208,23 +261,26 @@ class Agent(HookedAgent):
 
     def _note_exits(self, codes: dict[int, int | None]) -> None:
         """Note the poll that first saw each worker of this attempt exited."""
-        attempt = id(self.process_context())
-        if self._exits_of != attempt:
-            self._exits_of, self._exit_seen = attempt, {}
+        attempt = self.attempt
+        assert attempt is not None
         for local, code in codes.items():
             if code is not None:
-                self._exit_seen.setdefault(local, self._polls)
+                attempt.exit_seen.setdefault(local, attempt.polls)
 
     def _left_early(self, worker_group: Any) -> list[Left]:
         """This node's workers that exited with code 0, no later than the first failure, while the
         others went on: another rank's last mark is past its own, or, where no rank marked, its exit
         was seen while another still ran, before any failed."""
+        attempt = self.attempt
+        if attempt is None:
+            return []
         processes = self.worker_processes()
         codes = {local: proc.poll() for local, proc in processes.items()}
         self._note_exits(codes)  # torchrun's poll, after our own, may have seen some exit
+        seen_at = attempt.exit_seen
         failed_at = min(
-            (self._exit_seen.get(local, self._polls) for local, code in codes.items() if code),
-            default=self._polls,
+            (seen_at.get(local, attempt.polls) for local, code in codes.items() if code),
+            default=attempt.polls,
         )
         marks: dict[int, watch.Record] = {}
         if self.watch is not None:
@@ -234,7 +290,7 @@ class Agent(HookedAgent):
             }
         left = []
         for w in worker_group.workers:
-            seen = self._exit_seen.get(w.local_rank)
+            seen = seen_at.get(w.local_rank)
             if codes.get(w.local_rank) != 0 or seen is None or seen > failed_at:
                 continue
             mine = marks.get(w.global_rank)
@@ -242,7 +298,7 @@ class Agent(HookedAgent):
             if mine is not None and others:
                 went_on = any((r.step, r.coll) > (mine.step, mine.coll) for r in others)
             else:
-                still_ran = any(self._exit_seen.get(local, seen + 1) > seen for local in codes)
+                still_ran = any(seen_at.get(local, seen + 1) > seen for local in codes)
                 went_on = seen < failed_at and still_ran
             if went_on:
                 step = mine.step if mine is not None else None
@@ -258,11 +314,12 @@ class Agent(HookedAgent):
         ]
         server = forked.current()  # serves the next attempt's workers too
         kill_descendants(keep=unreaped + ([server.pid] if server is not None else []))
-        folder = _stack_dir()  # the ended workers' FIFOs and answers by pid go
+        folder = channels.channel(channels.STACKS)  # the ended workers' answers by pid go
         with contextlib.suppress(OSError):
-            for path in folder.glob("stack-*") if folder is not None else []:
-                with contextlib.suppress(OSError, ConfigError):
-                    fs.remove(path)
+            for path in folder.iterdir() if folder is not None else []:
+                if path.stem.isdigit():
+                    with contextlib.suppress(OSError, ConfigError):
+                        fs.remove(path)
 
     def worker_pids(self) -> list[int]:
         pcontext = self.process_context()
@@ -280,26 +337,38 @@ def _left_collective(before: watch.Record | None, after: watch.Record | None) ->
     )
 
 
-def _stack_dir() -> Path | None:
-    folder = os.environ.get(worker.STACK_DIR_ENV)
-    return Path(folder) if folder else None
-
-
-def stacks(folder: Path, ranks: Sequence[int], lines: int = 14) -> list[str]:
+def stacks(ranks: Sequence[int], lines: int = 14) -> list[str]:
     """Each rank's main-thread stack as its worker last answered, innermost first."""
-    out = []
+    folder = channels.channel(channels.STACKS)
+    out: list[str] = []
+    if folder is None:
+        return out
     for rank in ranks:
         try:
             text = fs.read_bytes(folder / f"rank{rank}.txt").decode(errors="replace")
         except (OSError, ConfigError):
             continue
-        frames = worker.main_frames(text)
+        frames = channels.main_frames(text)
         if frames:
             out.append(
                 f"  rank {rank} was still running when the first rank failed, at (innermost first):"
             )
             out += [f"    {frame}" for frame in frames[:lines]]
     return out
+
+
+def answered_ranks() -> list[int]:
+    """The ranks whose stacks were answered (after a failure, for the summary)."""
+    folder = channels.channel(channels.STACKS)
+    if folder is None:
+        return []
+    with contextlib.suppress(OSError):
+        return sorted(
+            int(p.stem[4:])
+            for p in folder.glob("rank*.txt")
+            if p.stem[4:].isdigit() and p.stat().st_size
+        )
+    return []
 
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
@@ -351,9 +420,7 @@ def _answer() -> None:
         signum = _requests.get()
         try:
             if signum == signal.SIGUSR2:
-                folder = _stack_dir()
-                if folder is not None:
-                    worker.request_every_stack(folder)
+                channels.request_every_stack()
             else:
                 agent = Agent.current
                 send(agent.worker_pids() if agent is not None else [], signum)
@@ -367,22 +434,27 @@ def install(
     preload: Sequence[str] = (),
     display: Sequence[str] = (),
     stall: watch.StallPolicy | None = None,
-    run_dir: Path | None = None,
-    in_place: recover.InPlace | None = None,
+    in_place: InPlace | None = None,
+    node_timeout: float = 30.0,
 ) -> None:
     """Make torchrun's ``launch_agent`` (of ``launcher_api``) build :class:`Agent` with the stall
     watch's policy ``stall``, and forward signals to its workers; with ``fork_server``, start the
-    job's fork server (importing ``preload``; ``display``: the workers' command). The ranks'
-    progress records go to shared memory, else to ``run_dir/progress``."""
+    job's fork server (importing ``preload``; ``display``: the workers' command). The job folder
+    is made first (:func:`open_job_folder`)."""
     use_agent(launcher_api, Agent)
     Agent.policy = stall if stall is not None else watch.StallPolicy(floor=0)
-    # made by the agent, which outlives every attempt: a restarted worker finds its state there
-    job = memory_folder.open_job_folder(memory=os.environ.get(memory_folder.OFF_ENV) != "0")
-    watch.open_folder(job, (run_dir or Path.cwd()) / "progress")
+    Agent.node_timeout = node_timeout
     _forward_signals()
     if fork_server:
         forked.install(preload, display)
     Agent.in_place = in_place
+
+
+def open_job_folder(run_dir: Path) -> Path:
+    """The job's folder on this node (its channels; in shared memory where it has room, else in
+    ``run_dir``), made by the agent, which outlives every attempt: a restarted worker finds its
+    state there."""
+    return jobdir.open_job_folder(run_dir / "job")
 
 
 def ignore_requests() -> None:
@@ -398,9 +470,8 @@ def uninstall() -> None:
     for sig in HANDLED_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     forked.uninstall()
-    Agent.current = None
-    if Agent.in_place is not None:
-        Agent.in_place.finished(succeeded=False)  # stops its beat
+    agent, Agent.current = Agent.current, None
+    if agent is not None:
+        agent.end_round(succeeded=False)  # stops its beat
     Agent.in_place = None
-    memory_folder.close_job_folder()
-    os.environ.pop(watch.DIR_ENV, None)
+    jobdir.close_job_folder()

@@ -45,6 +45,9 @@ class LaunchConfig:
     rdzv_conf: list[str] = field(default_factory=list)
     local_addr: str | None = None
     join_timeout: float = 120.0
+    node_timeout: float = 30.0
+    """Seconds another node's agent may not beat, whatever else says it is there, before its node
+    counts as lost (docs/recovery.md)."""
     collective_timeout: float | None = None
     max_restarts: int | None = None
     recover: Literal["restart", "in-place"] = "restart"
@@ -335,6 +338,10 @@ OPTIONS = [
              help="this node's address (default: the route to the endpoint)"),
     argument("--join-timeout", default="120",
              help="seconds to wait for the rendezvous host and for all nodes (default 120)"),
+    argument("--node-timeout", default="30",
+             help="seconds another node's agent may not beat before its node counts as lost, "
+             "whatever else says it is there (default 30); one whose agent is gone or unreachable "
+             "counts as lost in seconds"),
     argument("--collective-timeout", default=None,
              help="seconds a collective may wait before the job ends with every rank's stack "
              "(default 300)"),
@@ -396,6 +403,7 @@ def config_from_args(ns: argparse.Namespace, script_args: Sequence[str] = ()) ->
         rdzv_conf=items(ns.rdzv_conf),
         preload=items(ns.preload),
         join_timeout=parse_seconds("--join-timeout", ns.join_timeout),
+        node_timeout=parse_seconds("--node-timeout", ns.node_timeout),
         collective_timeout=(
             None
             if ns.collective_timeout is None

@@ -114,7 +114,6 @@ def worker_env(cfg: LaunchConfig, nproc: int, node: NodeAddress | None = None) -
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": omp,
         "MKL_NUM_THREADS": os.environ.get("MKL_NUM_THREADS") or omp,
-        "DDPKIT_AGENT_PID": str(os.getpid()),
     }
     # else gloo and nccl take the host name's interface: often unrouted (the first collective hangs)
     if node is not None:
@@ -261,7 +260,8 @@ def launch(cfg: LaunchConfig) -> int:
     access, node = job_access(cfg)
     run_id = rdzv_id(cfg)
     run_dir = prepare_workers(cfg, nproc, node)
-    in_place = in_place_recovery(cfg, run_dir, nproc)
+    agent.open_job_folder(run_dir)
+    in_place = in_place_recovery(cfg, nproc)
     backend.register(run_id, access, in_place)
     proctree.become_subreaper()  # the orphans of the workers' children stay the agent's to end
     argv = torchrun_argv(cfg, nproc, str(run_dir), node)
@@ -272,7 +272,7 @@ def launch(cfg: LaunchConfig) -> int:
         args.signals_to_handle = agent.TORCHRUN_SIGNALS
     display = [cfg.script, *cfg.script_args]
     agent.install(
-        launcher_api, cfg.uses_fork_server, cfg.preload, display, stall, run_dir, in_place
+        launcher_api, cfg.uses_fork_server, cfg.preload, display, stall, in_place, cfg.node_timeout
     )
     if cfg.all_ranks:
         tail.install()
@@ -281,7 +281,7 @@ def launch(cfg: LaunchConfig) -> int:
     except ChildFailedError as err:
         return report_failure(cfg, err, run_dir)
     except RendezvousError as err:
-        if in_place is not None and in_place.replaced:
+        if in_place is not None and in_place.left_job():
             say("this node was counted lost and replaced: the job goes on without it")
             return 1
         say(
@@ -301,7 +301,7 @@ def launch(cfg: LaunchConfig) -> int:
     return 0
 
 
-def in_place_recovery(cfg: LaunchConfig, run_dir: Path, nproc: int = 1) -> recover.InPlace | None:
+def in_place_recovery(cfg: LaunchConfig, nproc: int = 1) -> recover.InPlace | None:
     """The agent's side of ``--recover in-place``, where it applies; else None."""
     if cfg.recover != "in-place":
         return None
@@ -310,7 +310,7 @@ def in_place_recovery(cfg: LaunchConfig, run_dir: Path, nproc: int = 1) -> recov
             "--recover in-place recovers as many failures as --max-restarts allows: pass "
             "--max-restarts N (N >= 1)"
         )
-    return recover.prepare(run_dir, cfg.join_timeout, nproc)
+    return recover.prepare(cfg.join_timeout, nproc, cfg.node_timeout)
 
 
 def collective_seconds(cfg: LaunchConfig) -> float:
@@ -346,13 +346,10 @@ def job_access(cfg: LaunchConfig) -> tuple[Any, NodeAddress | None]:
 def prepare_workers(cfg: LaunchConfig, nproc: int, node: NodeAddress | None) -> Path:
     """The run's log folder, made now, and the workers' variables set in this process."""
     run_dir = new_run_log_dir(cfg.log_dir)
-    fs.make_dirs(run_dir / "stacks", root=run_dir)
     os.environ.update(worker_env(cfg, nproc, node))
-    os.environ["DDPKIT_STACK_DIR"] = str(run_dir / "stacks")
     if cfg.debug_collectives:  # where nccl's flight recorder writes each rank's record on a timeout
-        os.environ.setdefault(
-            flight_recorder_vars()[1], str(run_dir / "stacks" / "nccl_trace_rank_")
-        )
+        fs.make_dirs(run_dir / "nccl", root=run_dir)
+        os.environ.setdefault(flight_recorder_vars()[1], str(run_dir / "nccl" / "trace_rank_"))
     return run_dir
 
 
@@ -368,12 +365,9 @@ def report_failure(cfg: LaunchConfig, err: Any, run_dir: Path) -> int:
     named = ours.stall if ours is not None else None
     lines = [ours.summary(err) if ours is not None else failure.summarize_failure(err)]
     # the stacks the running workers wrote at the first failure (the stall watch showed its own)
-    stacks = run_dir / "stacks"
     if named is None:
-        files = stacks.glob("rank*.txt")
-        ranks = [int(p.stem[4:]) for p in files if p.stem[4:].isdigit() and p.stat().st_size]
-        lines += agent.stacks(stacks, sorted(ranks))
-    for trace in sorted(stacks.glob("nccl_trace_rank_*")):  # --debug-collectives on nccl
+        lines += agent.stacks(agent.answered_ranks())
+    for trace in sorted(run_dir.glob("nccl/trace_rank_*")):  # --debug-collectives on nccl
         lines.append(f"  nccl flight recorder of rank {trace.name.rsplit('_', 1)[-1]}: {trace}")
     lines.append(f"  output of every rank: {run_dir}")
     for line in lines:

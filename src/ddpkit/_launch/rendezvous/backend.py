@@ -12,7 +12,7 @@ import secrets
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
@@ -45,14 +45,29 @@ class JobAccess:
     relay_ip: str | None  # where the host's relay listens; None for a job on this machine only
 
 
+class InPlaceRendezvous(Protocol):
+    """What the rendezvous asks of in-place recovery
+    (:class:`~ddpkit._launch.recover.inplace.InPlace`)."""
+
+    def take_place(self, base: Any, addr: str) -> Any:
+        """A lost node's place in the job, taken by this new node (its ``node``, ``nodes``,
+        ``round_name`` and ``go`` record), or None: torch's rendezvous follows."""
+
+    def recovering(self) -> bool:
+        """Whether a recovery is under way on this node."""
+
+    def left_job(self) -> bool:
+        """Whether this node left the job while it goes on (counted lost and replaced)."""
+
+
 _jobs: dict[str, JobAccess] = {}  # rendezvous id -> access, for the jobs this process runs
-_in_place: dict[str, Any] = {}  # rendezvous id -> the job's recover.InPlace, where it has one
+_in_place: dict[str, InPlaceRendezvous] = {}  # rendezvous id -> the job's, where it has one
 _relays: dict[str, list[Any]] = {}
 
 
-def register(run_id: str, access: JobAccess, in_place: Any = None) -> None:
+def register(run_id: str, access: JobAccess, in_place: InPlaceRendezvous | None = None) -> None:
     """Make ``--rdzv-backend ddpkit --rdzv-id RUN_ID`` open its store with ``access``; with
-    ``in_place`` (a ``recover.InPlace``), a node starting while a node's place is open takes it."""
+    ``in_place``, a node starting while a node's place is open takes it."""
     handler_registry.register(BACKEND, _create_handler)
     _jobs[run_id] = access
     if in_place is not None:
@@ -94,14 +109,13 @@ class WorkersStoreHandler:
         inner: RendezvousHandler,
         local_addr: str | None,
         base: Any,
-        in_place: Any = None,
+        in_place: InPlaceRendezvous | None = None,
         max_nodes: int = 1,
     ) -> None:
         self._inner = inner
         self.addr = local_addr or socket.getfqdn()  # the address torch gives this node
         self.base = base  # the job's store, outside any round
         self.round_name = ""
-        self.joined: Any = None  # a recover.Joined, until the agent starts its workers by it
         self._in_place = in_place
         self._rounds = 0
         self._member = False  # this node joined a round, or took a lost node's place
@@ -112,13 +126,9 @@ class WorkersStoreHandler:
     def next_rendezvous(self) -> RendezvousInfo:
         self._rounds += 1
         if self._in_place is not None and self._rounds == 1:
-            from ddpkit._launch.recover import inplace as recover
-
-            place = self._in_place
-            wait = place.timeout + recover.LOST_AFTER + recover.GRACE
-            joined = recover.join(self.base, self.addr, place.nproc, wait, place.join_timeout)
+            joined = self._in_place.take_place(self.base, self.addr)
             if joined is not None:
-                self.joined, self.round_name, self._member = joined, joined.round_name, True
+                self.round_name, self._member = joined.round_name, True
                 self._size = joined.nodes
                 go = joined.go
                 master = RendezvousStoreInfo(go["master_addr"], go["master_port"])
@@ -140,12 +150,6 @@ class WorkersStoreHandler:
         del old
         served, addr, token = store.get(self._KEY).decode().split(" ", 2)
         self.round_name = f"ddpkit/round/{token}"
-        if self._in_place is not None:
-            from ddpkit._launch.recover import inplace as recover
-
-            # a node new to the job counts on from the others' recoveries, its workers too
-            closed = recover.Nodes(self.base).closed()
-            self._in_place.adopt(max(self._in_place.generation, closed))
         master = RendezvousStoreInfo(master_addr=addr, master_port=int(served))
         store = dist.PrefixStore(self.round_name, self.base)
         return RendezvousInfo(store, info.rank, info.world_size, master)
@@ -161,7 +165,7 @@ class WorkersStoreHandler:
         # round's nodes (a lost one still in it until its keep-alive expires, its new one not)
         # would restart the job to take in a node it has no place for.
         if self._in_place is not None and (
-            self._in_place.incident is not None or self._size >= self._max_nodes
+            self._in_place.recovering() or self._size >= self._max_nodes
         ):
             return 0
         return self.nodes_waiting()
@@ -173,7 +177,7 @@ class WorkersStoreHandler:
 
     def shutdown(self) -> bool:
         self._store = None
-        if not self._member or (self._in_place is not None and self._in_place.replaced):
+        if not self._member or (self._in_place is not None and self._in_place.left_job()):
             # not of the job (refused a place) or replaced: the job goes on without this node,
             # and torch's shutdown would close the rendezvous to every node
             return True

@@ -12,18 +12,17 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
-from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
 from ddpkit._launch import proctree
-from ddpkit._launch.agent.worker import ask_stacks
 from ddpkit._launch.proctree import state_code
+from ddpkit._launch.rendezvous.link import NodeLink
 from ddpkit._launch.watch import verdict as nodes
-from ddpkit._launch.watch.verdict import STATES, View
-from ddpkit.distributed._progress import DIR_ENV, MAGIC, OPS, RECORD, SIZE, Phase
+from ddpkit._launch.watch.verdict import STATES, STOPPED, View
+from ddpkit.distributed._channels import ask_stacks
+from ddpkit.distributed._progress import MAGIC, OPS, RECORD, SIZE, Phase
 
 TIMEOUT_ENV = "DDPKIT_STALL_TIMEOUT"  # the floor without --stall-timeout; 0: off
 DEFAULT_FLOOR = 30.0
@@ -119,6 +118,7 @@ class Stall:
     headline: str  # which rank, for how long, doing what, and where the others wait
     report: list[str]  # the headline and a line per rank, with stacks
     disagreement: str = ""  # the line on ranks off one collective, where they are
+    stopped: bool = False  # every rank named was stopped (SIGSTOP): a failure like any other
 
 
 class Watch:
@@ -128,19 +128,21 @@ class Watch:
         self,
         folder: Path,
         policy: StallPolicy,
-        stack_dir: Path | None,
+        stacks: bool | None,
         clock: Callable[[], float] = time.monotonic,
         activity: Callable[[int], tuple[int, int] | None] = proctree.activity,
     ) -> None:
-        """``activity(pid)``: CPU ticks and bytes read and written by a rank and its children."""
-        self.folder, self.policy, self.stack_dir, self.clock = folder, policy, stack_dir, clock
+        """``folder``: the ranks' progress records; ``stacks``: ask the ranks for their stacks
+        (through their inboxes) to show where they are; ``activity(pid)``: CPU ticks and bytes read
+        and written by a rank and its children."""
+        self.folder, self.policy, self.stacks, self.clock = folder, policy, bool(stacks), clock
         self.activity = activity
         self.ranks: dict[int, _Rank] = {}
         self.stall: Stall | None = None
         self.host = socket.gethostname()
         self.node = 0
         self.multi = False  # several nodes: hosts are named
-        self.exchange: nodes.Exchange | None = None
+        self.link: NodeLink | None = None
         self.remote: list[View] = []  # the other nodes' ranks, while this node reads them
         self.grace = max(nodes.GRACE, policy.floor)
         """Seconds a remote rank this node saw stalled may go unnamed by its own agent (which
@@ -166,44 +168,70 @@ class Watch:
         for noted in (self.named, self.said, self.since, self._warned):
             noted.clear()
 
-    def connect(self, store: Any, node: int, count: int, addr: str | None = None) -> None:
-        """Publish this node's ranks (node ``node`` of ``count``, at ``addr``) to ``store``."""
+    def connect(
+        self, link: NodeLink | None, node: int, count: int, addr: str | None = None
+    ) -> None:
+        """Publish this node's ranks (node ``node`` of ``count``, at ``addr``) through ``link``."""
         self.disconnect()
         self.node, self.multi = node, count > 1 and self.policy.on
         if addr and addr not in ("127.0.0.1", "::1", "localhost"):
             self.host = f"{socket.gethostname()} ({addr})"
-        if self.multi:
-            self.exchange = nodes.Exchange(store, node, count, POLL_EVERY)
+        self.link = link if self.multi else None
 
     def disconnect(self) -> None:
         """Say that this node's ranks have exited, and stop publishing."""
-        if self.exchange is not None:
-            last = nodes.encode(self.node, self.host, self._published + 1, self.named, [])
-            self.exchange.close(last)
-            self.exchange = None
+        if self.link is not None:
+            self._published += 1
+            self.link.publish(
+                nodes.encode(self.node, self.host, self._published, self.named, []), False
+            )
+            self.link = None
 
     def _trade(self, live: list[View]) -> set[int]:
         """Publish ``live``; read the others' into :attr:`remote` while one is half idle; the
         ranks the other nodes' agents named."""
-        if self.exchange is None:
+        if self.link is None:
             return set()
         want = any(v.idle > v.allowance / 2 for v in live)
         self._publish(live, want)
-        self.remote, named = self.exchange.views() if want else ([], set())
+        self.remote, named = self._views() if want else ([], set())
         return named
 
     def _publish(self, live: list[View], want: bool) -> None:
-        if self.exchange is not None:
+        if self.link is not None:
             self._published += 1
             summary = nodes.encode(
                 self.node, self.host, self._published, self.named, live, self.said
             )
-            self.exchange.publish(summary, want)
+            self.link.publish(summary, want)
+
+    def _summaries(self) -> list[tuple[nodes.Summary, float]]:
+        """The other nodes' summaries last read, each with the seconds since it changed."""
+        seen = self.link.summaries() if self.link is not None else {}
+        out = []
+        for node, (data, age) in seen.items():
+            summary = nodes.decode(data)
+            if summary is not None and summary.node == node:
+                out.append((summary, age))
+        return out
+
+    def _views(self) -> tuple[list[View], set[int]]:
+        """The other nodes' ranks, aged by this node's clock, and the ranks their agents named."""
+        views: list[View] = []
+        named: set[int] = set()
+        for summary, age in self._summaries():
+            named |= summary.named
+            views += [
+                replace(v, idle=v.idle + age, quiet=v.quiet + age if v.quiet >= 0 else v.quiet)
+                if v.marked
+                else v
+                for v in summary.views
+            ]
+        return views, named
 
     def heard(self, ranks: list[int]) -> bool:
         """Whether every other node read has said its ranks wait for ``ranks``."""
-        heard = self.exchange.heard() if self.exchange is not None else {}
-        return all(set(ranks) <= said for said in heard.values())
+        return all(set(ranks) <= summary.waiting for summary, _ in self._summaries())
 
     def overdue(self, waited_for: list[View], named: set[int], now: float) -> list[View]:
         """The remote ranks waited for past :attr:`grace` that their agents have not named."""
@@ -426,7 +454,8 @@ class Watch:
         lines.append(
             ending if self.policy.on_stall == "end" else "  the job goes on (--on-stall warn)"
         )
-        return Stall([r.rank for r in stalled], headline, lines)
+        stopped = all(state_code(r.pid) in STOPPED for r in stalled)
+        return Stall([r.rank for r in stalled], headline, lines, stopped=stopped)
 
     def _rank_lines(self, now: float, views: list[View] | None = None) -> list[str]:
         """A line per rank (``views``, by default every rank of the job's), with its stack (this
@@ -466,7 +495,7 @@ class Watch:
         return lines
 
     def _stacks(self, pids: dict[int, int]) -> dict[int, list[str]]:
-        return ask_stacks(self.stack_dir, pids) if self.stack_dir is not None else {}
+        return ask_stacks(pids) if self.stacks else {}
 
     def where(self) -> str:
         """Each rank's last mark in one line, with the other nodes' ranks this node's waited for."""
@@ -506,19 +535,3 @@ def parse_floor(option: str, text: str) -> float:
         return parse_seconds(option, text)
     except ConfigError as err:
         raise ConfigError(f"{err}; or 0 to turn the stall watch off") from None
-
-
-ROOM = 1 << 20  # bytes of /dev/shm below which the records go to disk (a page a rank)
-
-
-def open_folder(job: Path | None, fallback: Path) -> None:
-    """Make the folder of this job's records and name it to the workers (``DIR_ENV``): in ``job``,
-    the job's folder in shared memory (:func:`ddpkit.snapshot._slots.open_job_folder`), where it
-    has room, else ``fallback``."""
-    folder = fallback
-    if job is not None:
-        room = os.statvfs(job)
-        if room.f_bavail * room.f_frsize >= ROOM:
-            folder = job / "progress"
-    fs.make_dirs(folder)
-    os.environ[DIR_ENV] = str(folder)

@@ -1,20 +1,15 @@
-"""The stall watch across nodes: each agent publishes its ranks to the job's rendezvous store and
-judges the job's view by one rule (:func:`judge`, :func:`decide`). Durations are aged by the
-reader's own clock, never compared across machines."""
+"""The stall watch's rule (:func:`judge`, :func:`decide`), the same on every node, and the summary
+of a node's ranks it publishes to the others (:func:`encode`, :func:`decode`) through its link
+(:class:`~ddpkit._launch.rendezvous.link.NodeLink`)."""
 
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from ddpkit.distributed._progress import OPS, PHASE_NAMES, Phase
 
-KEY = "ddpkit_watch/node{}"  # under the prefix of each rendezvous round: one attempt's own
-MAX_BYTES = 65536  # a longer summary is not read (1,024 ranks write about 42 KB)
 GRACE = 10.0
 """Seconds a waiting node gives the stalled rank's own agent to name it, at least."""
 HEARD_WAIT = 5.0
@@ -272,8 +267,6 @@ def encode(
 
 def decode(data: bytes) -> Summary | None:
     """The summary in ``data``; None for anything else (another version's, cut short)."""
-    if len(data) > MAX_BYTES:
-        return None
     try:
         doc = json.loads(data)
         node, host, count = int(doc["n"]), str(doc["h"]), int(doc["c"])
@@ -289,92 +282,3 @@ def decode(data: bytes) -> Summary | None:
     except (ValueError, TypeError, KeyError, IndexError, AttributeError):
         return None
     return Summary(node, host, count, named, waiting, views) if doc.get("v") == 2 else None
-
-
-class Exchange:
-    """The summaries to and from the store, in a thread of its own, off the agent's poll."""
-
-    def __init__(self, store: Any, node: int, nodes: int, every: float) -> None:
-        self.store, self.node, self.nodes, self.clock = store, node, nodes, time.monotonic
-        # past 10 nodes the interval grows: at most ~20 reads a second at the store's host
-        self.every = max(every, 0.05 * nodes)
-        self.failures = 0
-        self._lock = threading.Lock()
-        self._outgoing: bytes | None = None
-        self._want = False
-        self._seen: dict[int, tuple[Summary, float]] = {}  # node -> summary, when count changed
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ddpkit-stall-exchange", daemon=True)
-        self._thread.start()
-
-    def publish(self, data: bytes, want: bool) -> None:
-        """Write ``data`` at the next turn; read the others' summaries while ``want``."""
-        with self._lock:
-            self._outgoing, self._want = data, want
-
-    def views(self) -> tuple[list[View], set[int]]:
-        """The other nodes' ranks, aged by this node's clock, and the ranks their agents named."""
-        now = self.clock()
-        with self._lock:
-            seen = list(self._seen.values())
-        views: list[View] = []
-        named: set[int] = set()
-        for summary, at in seen:
-            named |= summary.named
-            age = now - at
-            views += [
-                replace(v, idle=v.idle + age, quiet=v.quiet + age if v.quiet >= 0 else v.quiet)
-                if v.marked
-                else v
-                for v in summary.views
-            ]
-        return views, named
-
-    def heard(self) -> dict[int, frozenset[int]]:
-        """Node -> the ranks its agent said its ranks wait for, of the nodes read."""
-        with self._lock:
-            return {n: summary.waiting for n, (summary, _) in self._seen.items()}
-
-    def close(self, last: bytes | None = None) -> None:
-        """Write ``last`` (a summary with no ranks: this node's have exited), then stop."""
-        with self._lock:
-            self._outgoing, self._want = last if last is not None else self._outgoing, False
-        self._stop.set()
-        self._thread.join(timeout=2.0)
-
-    def _run(self) -> None:
-        sent: bytes | None = None
-        stopping = False
-        while not stopping:
-            stopping = self._stop.wait(self.every)
-            with self._lock:
-                data, want = self._outgoing, self._want
-            try:
-                if data is not None and data != sent:
-                    self.store.set(KEY.format(self.node), data)
-                    sent = data
-                if want:
-                    self._read()
-                elif self._seen:
-                    with self._lock:
-                        self._seen.clear()  # read afresh, and aged from then, at the next wait
-            except Exception:  # noqa: BLE001  (a store error: the job ends, or the host is gone)
-                self.failures += 1  # judged on with what was read last, ageing
-
-    def _read(self) -> None:
-        others = [n for n in range(self.nodes) if n != self.node]
-        # a get blocks on a missing key: one check for all, then one per key
-        if self.store.check([KEY.format(n) for n in others]):
-            present = others
-        else:
-            present = [n for n in others if self.store.check([KEY.format(n)])]
-        values = self.store.multi_get([KEY.format(n) for n in present])  # one round trip
-        now = self.clock()
-        for n, raw in zip(present, values, strict=True):
-            summary = decode(bytes(raw))
-            if summary is None or summary.node != n:
-                continue
-            with self._lock:
-                before = self._seen.get(n)
-                if before is None or before[0].count != summary.count:
-                    self._seen[n] = (summary, now)

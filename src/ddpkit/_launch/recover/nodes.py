@@ -1,0 +1,182 @@
+"""In-place recovery across nodes: the agents agree on each recovery through the job's rendezvous
+store (:class:`Agreement`), and a node started in a lost node's place takes it (:func:`join`).
+
+Keys, under :data:`KEY` (outside any round: a new node knows none): ``incident`` (the newest
+recovery any node raised), ``G/node/N`` (what node N's ranks did in recovery G), ``G/decider`` (the
+first node to have said it), ``G/claim/N`` (the new node in lost node N's place, or ``-``: node N
+spoke after all), ``G/outcome`` (the go, or why the recovery is given back: written once, the first
+stands), ``vacant`` (the places offered), ``job`` (the round and size of a job on all its nodes),
+``ranks/R/N`` (node N's global ranks in round R).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ddpkit._errors import ConfigError
+from ddpkit._launch import say
+from ddpkit._launch.rendezvous.link import NodeLink, connection, read
+
+KEY = "ddpkit/recover/"
+
+
+class Agreement:
+    """This node's part in the agents' agreement on each recovery, through its ``link``."""
+
+    def __init__(self, link: NodeLink) -> None:
+        self.link, self.store = link, link.store
+        self.node, self.nodes, self.round = link.node, link.nodes, link.round
+
+    def get(self, key: str) -> bytes | None:
+        """The value of ``key``, None where unset: one round trip, never a wait."""
+        return read(self.store, KEY + key)
+
+    def get_json(self, key: str) -> Any:
+        value = self.get(key)
+        return json.loads(value) if value is not None else None
+
+    def set(self, key: str, value: Any) -> None:
+        self.store.set(KEY + key, value if isinstance(value, str) else json.dumps(value))
+
+    def compare_set(self, key: str, value: str) -> bytes:
+        """``key`` set to ``value`` where unset; the value that stands."""
+        return self.store.compare_set(KEY + key, "", value)
+
+    def incident(self) -> int:
+        """The newest recovery any node raised, 0 before any."""
+        return int(self.get("incident") or b"0")
+
+    def raise_incident(self, generation: int) -> None:
+        current = self.get("incident")
+        if current is None or int(current) < generation:
+            self.store.compare_set(KEY + "incident", current or "", str(generation))
+
+    def outcome(self, generation: int) -> dict[str, Any] | None:
+        """Recovery ``generation``'s outcome, ``{"go": record}`` or ``{"end": why}``; None yet."""
+        return self.get_json(f"{generation}/outcome")
+
+    def decide(self, generation: int, outcome: dict[str, Any]) -> dict[str, Any]:
+        """``outcome`` for recovery ``generation`` where none was written; the one that stands."""
+        return json.loads(self.compare_set(f"{generation}/outcome", json.dumps(outcome)))
+
+    def closed(self) -> int:
+        """The newest recovery the nodes closed (went on or gave back), 0 before any."""
+        g = self.incident()
+        return g if not g or self.outcome(g) is not None else g - 1
+
+    def lost(self, among: list[int]) -> dict[int, str]:
+        """The nodes of ``among`` lost, with the evidence (:meth:`NodeLink.lost`)."""
+        return self.link.lost(among)
+
+    def neighbour_lost(self) -> dict[int, str]:
+        """The next node, where it is lost: each node watches one, every node is watched."""
+        return self.link.lost([(self.node + 1) % self.nodes])
+
+    def announce(self, ranks: list[int]) -> None:
+        """This node's global ranks in the round; node 0 says the job runs on all its nodes."""
+        self.set(f"ranks/{self.round}/{self.node}", ranks)
+        if self.node == 0:
+            self.set("job", {"round": self.round, "size": self.nodes})
+
+
+@dataclass
+class Joined:
+    """A lost node's place taken by a new node: recovery ``go``'s record, the round's name, and
+    this node's link to the others (beating since its claim)."""
+
+    node: int
+    nodes: int
+    round_name: str
+    go: dict[str, Any]
+    link: NodeLink
+
+
+def join(
+    store: Any, addr: str, nproc: int, wait: float, join_timeout: float, node_timeout: float
+) -> Joined | None:
+    """For a node of ``nproc`` workers starting in a job that recovers in place: the place of a
+    lost node, claimed, once the job's agents say go; None where no place is open (or none opens
+    within ``wait`` seconds of a recovery under way): torch's rendezvous follows."""
+    conn = connection(store)
+
+    def get_json(key: str) -> Any:
+        value = read(conn, KEY + key)
+        return json.loads(value) if value is not None else None
+
+    def incident() -> int:
+        return int(read(conn, KEY + "incident") or b"0")
+
+    job = get_json("job")
+    full = job is not None and _all_alive(store, job)
+    if full:  # a place opens when a node is lost: taken here, the job goes on without a restart
+        say(
+            f"the job runs on all its {job['size']} node(s): waiting for one's place "
+            f"(--join-timeout, {join_timeout:g} s)"
+        )
+    deadline = time.monotonic() + (join_timeout if full else wait)
+    while True:
+        generation = incident()
+        if generation and get_json(f"{generation}/outcome") is None:
+            vacant = get_json("vacant")
+            if vacant is not None and vacant["recovery"] == generation:
+                break
+        elif not full:
+            return None  # no recovery under way
+        elif _all_finished(store, job):
+            raise ConfigError("the job finished while this node waited for a node's place")
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+    place = None
+    claim = f"{addr} {os.getpid()} {secrets.token_hex(8)}"  # two new nodes never hold one claim
+    sizes = {n: len(get_json(f"ranks/{vacant['round']}/{n}") or []) for n in vacant["nodes"]}
+    for n, size in sizes.items():
+        if size != nproc:
+            say(f"not taking the place of lost node {n}: it ran {size} worker(s), this node "
+                f"{nproc} (--nproc)")  # fmt: skip
+        elif conn.compare_set(f"{KEY}{generation}/claim/{n}", "", claim) == claim.encode():
+            place = n
+            break
+    if place is None and set(sizes.values()) == {nproc}:
+        # in torch's rendezvous it would wait for a place the job never has: every restart
+        # would take it in and leave a node out again
+        raise ConfigError(
+            f"the place of lost node(s) {listed(vacant['nodes'])} was taken by another new node "
+            f"(recovery {generation}): this node is not needed now; start it again to join the "
+            "job at a later restart"
+        )
+    if place is None:
+        return None  # of another size: torch's rendezvous takes it in at a whole restart
+    say(f"taking the place of lost node {place} (recovery {generation})")
+    # beating from now: the others must not count the place lost again while this node starts
+    mine = NodeLink(store, vacant["round"], place, vacant["size"], addr, node_timeout)
+    deadline = time.monotonic() + join_timeout
+    while time.monotonic() < deadline:
+        outcome = get_json(f"{generation}/outcome")
+        if outcome is not None and "go" in outcome:
+            return Joined(place, vacant["size"], vacant["round"], outcome["go"], mine)
+        if outcome is not None:
+            break
+        time.sleep(0.02)
+    mine.close()
+    return None
+
+
+def _all_alive(store: Any, job: dict[str, Any]) -> bool:
+    """Whether every node of ``job`` (its round and size) has an agent that answers a probe."""
+    reader = NodeLink(store, job["round"])
+    return all(reader.alive(n) for n in range(job["size"]))
+
+
+def _all_finished(store: Any, job: dict[str, Any]) -> bool:
+    reader = NodeLink(store, job["round"])
+    return all(map(reader.finished, range(job["size"])))
+
+
+def listed(numbers: Any) -> str:
+    return ", ".join(map(str, numbers))
