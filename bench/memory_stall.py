@@ -21,7 +21,6 @@ import datetime
 import functools
 import os
 import platform
-import secrets
 import shutil
 import statistics
 import tempfile
@@ -33,7 +32,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit.demo._models import Block, DigitsCNN
-from ddpkit.snapshot import _slots as memory_folder
+from ddpkit.distributed._channels import JOB_DIR_ENV, MEMORY
 from ddpkit.training._config import LoggingConfig, SnapshotConfig, TrainerConfig
 from ddpkit.training._trainer import Trainer
 
@@ -86,10 +85,9 @@ def main() -> None:
     root = os.path.join("/dev/shm", f"ddpkit-memory-stall-{os.getpid()}")
     os.makedirs(root, mode=0o700)
     runs = tempfile.mkdtemp(prefix="memory-stall-")  # the run directories (disk)
-    os.environ[memory_folder.DIR_ENV], os.environ[memory_folder.KEY_ENV] = (
-        root,
-        secrets.token_hex(8),
-    )
+    # a job folder, as ddpkit run's agent makes one, with its folder of snapshots in memory
+    os.makedirs(os.path.join(root, MEMORY))
+    os.environ[JOB_DIR_ENV] = root
     families = ["cnn", "mlp"] if a.family == "both" else [a.family]
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     print(

@@ -28,6 +28,7 @@ import timeit
 import torch
 
 from ddpkit.distributed import _progress as progress
+from ddpkit.distributed._channels import JOB_DIR_ENV, PROGRESS
 from ddpkit.distributed._progress import Phase
 
 
@@ -64,7 +65,8 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     folder = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    os.environ[progress.DIR_ENV], os.environ["RANK"] = folder, "0"
+    os.mkdir(os.path.join(folder, PROGRESS))  # a job folder, as ddpkit run's agent makes one
+    os.environ[JOB_DIR_ENV], os.environ["RANK"] = folder, "0"
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x, y = torch.randn(16, 64), torch.randn(16, 1)

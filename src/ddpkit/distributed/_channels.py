@@ -266,9 +266,11 @@ def request_stack(pid: int) -> str | None:
     return token if send(pid, "stack", token) else None
 
 
-def request_every_stack() -> int:
-    """Ask every process of the job on this node for its stacks, without waiting; how many."""
-    return sum(request_stack(pid) is not None for pid in inboxes())
+def request_every_stack() -> dict[int, str]:
+    """Ask every process of the job on this node for its stacks, without waiting; the pids asked,
+    each with its request's token."""
+    asked = {pid: request_stack(pid) for pid in inboxes()}
+    return {pid: token for pid, token in asked.items() if token is not None}
 
 
 def _answer_of(pid: int, token: str) -> str | None:
@@ -280,6 +282,17 @@ def _answer_of(pid: int, token: str) -> str | None:
         return None
     head, _, body = text.partition("\n")
     return body if token in head.split() else None
+
+
+def answered(asked: Mapping[int, str], wait: float = 3.0) -> set[int]:
+    """The pids of ``asked`` (pid -> token) that answered their request, waited for ``wait``
+    seconds at most."""
+    done: set[int] = set()
+    deadline = time.monotonic() + wait
+    while len(done) < len(asked) and time.monotonic() < deadline:
+        done |= {pid for pid, token in asked.items() if _answer_of(pid, token) is not None}
+        time.sleep(0.01)
+    return done
 
 
 def ask_stacks(pids: Mapping[K, int], wait: float = 3.0, lines: int = 10) -> dict[K, list[str]]:

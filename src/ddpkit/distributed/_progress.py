@@ -19,15 +19,16 @@ from ddpkit import _fs as fs
 from ddpkit.distributed._channels import PROGRESS, channel
 from ddpkit.platforms import _torchrun as torchrun
 
-RECORD = struct.Struct("=qqqqqqqqqddd")
+RECORD = struct.Struct("=qqqqqqqqqqddd")
 """The record, in native byte order (the rank and its agent share the machine): magic, pid, op,
 phase, marks made, step, steps begun, collectives entered, the elements of the collective's first
-tensor (-1: none); when the step began (``CLOCK_MONOTONIC``), the seconds the step before took, the
-group's collective timeout (0: not known). A mark writes the count of marks last."""
+tensor (-1: none), the peer of a point-to-point call (-1: none or any); when the step began
+(``CLOCK_MONOTONIC``), the seconds the step before took, the group's collective timeout (0: not
+known). A mark writes the count of marks last."""
 SIZE = RECORD.size
-MAGIC = 0x324B5044  # "DPK2"
-_MAGIC, _PID, _OP, _PHASE, _SEQ, _STEP, _STEPS, _COLL, _NUMEL = range(9)
-_STEP_AT, _LAST_STEP, _TIMEOUT = 9, 10, 11
+MAGIC = 0x334B5044  # "DPK3"
+_MAGIC, _PID, _OP, _PHASE, _SEQ, _STEP, _STEPS, _COLL, _NUMEL, _PEER = range(10)
+_STEP_AT, _LAST_STEP, _TIMEOUT = 10, 11, 12
 
 
 class Phase:
@@ -46,6 +47,7 @@ class Phase:
     EVALUATION = 9
     MAIN_FIRST = 10
     EXPORT = 11
+    POINT_TO_POINT = 12
 
 
 PHASE_NAMES = {
@@ -57,10 +59,11 @@ PHASE_NAMES = {
     Phase.COLLECTIVE: "in a collective",
     Phase.SNAPSHOT: "saving a snapshot",
     Phase.USER: "user code between steps (callbacks, validation)",
-    Phase.GRADIENT_SYNC: "after its backward: DDP's all-reduce of the gradients, or past it",
+    Phase.GRADIENT_SYNC: "at its backward's end, in DDP's all-reduce of the gradients",
     Phase.EVALUATION: "evaluating (validation)",
     Phase.MAIN_FIRST: "alone in main_first()'s body (the others wait for it)",
     Phase.EXPORT: "writing the best or final weights",
+    Phase.POINT_TO_POINT: "in a point-to-point call",
 }
 
 OPS = (
@@ -68,14 +71,14 @@ OPS = (
     "gather_object", "broadcast_object", "barrier", "first_failure", "broadcast", "reduce",
     "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
     "all_to_all_single", "gather", "scatter", "broadcast_object_list", "scatter_object_list",
-    "monitored_barrier", "shutdown",
+    "monitored_barrier", "shutdown", "send", "recv",
 )  # fmt: skip
 """The ops a record names, by their index; an op not listed is recorded as ``collective``."""
 _OP_CODES = {op: code for code, op in enumerate(OPS)}
 
 _buf: mmap.mmap | None = None
-_ints: memoryview[int] | None = None  # the page as 8-byte integers (slots 0-8)
-_floats: memoryview[float] | None = None  # and as doubles (slots 9-11)
+_ints: memoryview[int] | None = None  # the page as 8-byte integers (slots 0-9)
+_floats: memoryview[float] | None = None  # and as doubles (slots 10-12)
 _opened = False  # tried to open (a missing folder is not tried again)
 _phase = Phase.STARTING
 _op = 0
@@ -84,6 +87,7 @@ _steps = 0
 _seq = 0
 _coll = 0
 _numel = -1
+_peer = -1
 _step_at = 0.0
 _last_step = 0.0
 _timeout = 0.0
@@ -127,7 +131,7 @@ def _write() -> None:
     assert _ints is not None and _floats is not None
     _seq += 1
     _ints[_OP], _ints[_PHASE], _ints[_STEP], _ints[_STEPS] = _op, _phase, _step, _steps
-    _ints[_COLL], _ints[_NUMEL] = _coll, _numel
+    _ints[_COLL], _ints[_NUMEL], _ints[_PEER] = _coll, _numel, _peer
     _floats[_STEP_AT], _floats[_LAST_STEP], _floats[_TIMEOUT] = _step_at, _last_step, _timeout
     _ints[_SEQ] = _seq
 
@@ -225,9 +229,27 @@ class collective:  # noqa: N801  (used as a function: `with progress.collective(
 
 _depth = 0  # collectives entered and not yet left (nested: one inside another)
 
+
+@contextmanager
+def point_to_point(op: str, peer: int) -> Iterator[None]:
+    """In a blocking ``send`` or ``recv`` with ``peer`` (-1: any) for the body: not a collective
+    (ranks make different ones, in different numbers), so the count of collectives stays."""
+    global _phase, _op, _peer
+    before = _phase
+    _phase, _op, _peer = Phase.POINT_TO_POINT, _OP_CODES.get(op, 0), peer
+    _write()
+    try:
+        yield
+    finally:
+        _peer = -1
+        mark(before)
+
+
 _DDPKITS_OWN = ("collective", "gather_tensors", "broadcast_object", "first_failure", "shutdown")
-TORCH_COLLECTIVES = tuple(op for op in OPS if op not in _DDPKITS_OWN)
-"""The collectives :func:`watch_torch_collectives` marks (not ``send``/``recv``)."""
+POINT_TO_POINT = ("send", "recv")
+TORCH_COLLECTIVES = tuple(op for op in OPS if op not in _DDPKITS_OWN + POINT_TO_POINT)
+"""The collectives :func:`watch_torch_collectives` marks, with the blocking point-to-point calls
+(:data:`POINT_TO_POINT`)."""
 
 
 def _numel_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
@@ -250,12 +272,18 @@ def _watched_call(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     except (ValueError, TypeError):
         at = None
 
+    peer_name = {"send": "dst", "recv": "src"}.get(op)
+
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         group = args[at] if at is not None and len(args) > at else kwargs.get("group")
         # a group's collectives are its ranks' alone: counted, other groups would seem to disagree
         if _depth or (group is not None and group is not dist.GroupMember.WORLD):
             return fn(*args, **kwargs)
+        if peer_name is not None:
+            peer = args[1] if len(args) > 1 else kwargs.get(peer_name)
+            with point_to_point(op, peer if isinstance(peer, int) else -1):
+                return fn(*args, **kwargs)
         with collective(op, _numel_of(args, kwargs)):
             return fn(*args, **kwargs)
 
@@ -272,7 +300,7 @@ def watch_torch_collectives() -> list[str]:
     if channel(PROGRESS) is None:
         return []
     wrapped = []
-    for op in TORCH_COLLECTIVES:
+    for op in TORCH_COLLECTIVES + POINT_TO_POINT:
         fn = getattr(dist, op, None)
         if fn is None or not callable(fn):
             continue

@@ -117,7 +117,15 @@ def accumulation_of_a_parameter(model: nn.Module) -> Any:
 def _accumulating(_grad_outputs: Any) -> None:
     # under compiled autograd the engine's callbacks are refused: that backward goes unmarked
     if not torch.compiler.is_compiling():
-        at_backward_end(partial(marks.mark, Phase.GRADIENT_SYNC))
+        at_backward_end(_in_gradient_sync)
+
+
+def _in_gradient_sync() -> None:
+    """At the backward's end, before DDP's own callback waits for the gradients' all-reduce: the
+    rank is in it until a callback queued now, which runs after DDP's, marks it out (a rank that
+    went on to its own code is never taken for one waiting in DDP's all-reduce)."""
+    marks.mark(Phase.GRADIENT_SYNC)
+    at_backward_end(partial(marks.mark, Phase.LOOP))
 
 
 def keys_of_the_module(ddp: DDP) -> None:

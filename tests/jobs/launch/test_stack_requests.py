@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit._launch.agent import worker
+from ddpkit._launch.agent import jobdir
+from ddpkit.distributed import _channels as channels
 from ddpkit.testing import start_job, wait_until, without_launch_env
 
 pytestmark = [
@@ -137,15 +138,15 @@ ddpkit.shutdown()
 OLD_LAUNCHER = """
 import os, signal
 from ddpkit._launch.agent import agent
-from ddpkit._launch.agent import worker
+from ddpkit.distributed import _channels as channels
 if os.environ.get("OLD_FORWARD"):
-    def forward(folder):
+    def forward():
         for pid in agent.Agent.current.worker_pids() if agent.Agent.current else []:
             try:
                 os.kill(pid, signal.SIGUSR2)
             except ProcessLookupError:
                 pass
-    worker.request_every_stack = forward
+    channels.request_every_stack = forward
 
 if os.environ.get("OLD_DEFAULTS"):
     uninstall = agent.uninstall
@@ -161,10 +162,10 @@ entry()
 
 
 @pytest.fixture
-def env() -> dict[str, str]:
-    return without_launch_env({k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}) | {
-        "PYTHONUNBUFFERED": "1"
-    }
+def env(tmp_path) -> dict[str, str]:
+    (tmp_path / "shm").mkdir()
+    env = without_launch_env({k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"})
+    return env | {"PYTHONUNBUFFERED": "1", jobdir.ROOT_ENV: str(tmp_path / "shm")}
 
 
 def _start(
@@ -207,16 +208,19 @@ def _end(proc: subprocess.Popen, timeout: float = 240) -> str:
     return out
 
 
-def _stack_dir(proc: subprocess.Popen, tmp_path: Path) -> Path:
-    """The job's stack folder, once the launcher has made it (it handles SIGUSR1 and SIGUSR2 by
-    then)."""
+def _stack_dir(proc: subprocess.Popen, env: dict[str, str], monkeypatch) -> Path:
+    """The job's stack folder, once the launcher has made its job folder (it handles SIGUSR1 and
+    SIGUSR2 by then); this process asks through that job folder from now on."""
+    base = Path(env[jobdir.ROOT_ENV]) / f"ddpkit-memory-{os.getuid()}"
 
     def made() -> Path | None:
         if proc.poll() is not None:
             raise AssertionError(f"the launcher ended first:\n{proc.communicate()[0][-4000:]}")
-        return next(iter(tmp_path.glob("ddpkit-logs/*/stacks")), None)
+        return next(iter(base.glob("[0-9a-f]*/stacks")), None)
 
-    return wait_until(made, 120, what="the stack folder")
+    stacks = wait_until(made, 120, what="the stack folder")
+    monkeypatch.setenv(channels.JOB_DIR_ENV, str(stacks.parent))
+    return stacks
 
 
 def _running(
@@ -252,10 +256,12 @@ def _stop(proc: subprocess.Popen, folder: Path) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # two 2-rank jobs on 2 shared cores, one asked 1,300 times
-def test_stack_requests_while_the_snapshot_thread_runs_never_kill_a_worker(tmp_path, env):
+def test_stack_requests_while_the_snapshot_thread_runs_never_kill_a_worker(
+    tmp_path, env, monkeypatch
+):
     proc, folder = _start(tmp_path / "new", SNAPSHOT_JOB, env)
     pids = _running(proc, [folder / f"rank{r}.training" for r in (0, 1)], "training")
-    stacks = _stack_dir(proc, tmp_path / "new")
+    stacks = _stack_dir(proc, env, monkeypatch)
     try:
         # What the reports sent to `ddpkit run`: a burst of 60, then one every 0.05 s and every
         # 0.25 s. The agent asks every worker each time it handles one.
@@ -268,13 +274,13 @@ def test_stack_requests_while_the_snapshot_thread_runs_never_kill_a_worker(tmp_p
         snapshot_thread_seen = False
         for i in range(600):
             for pid in pids:
-                worker.request_stack(stacks, pid)
+                channels.request_stack(pid)
             time.sleep(0.02)
             if i % 10 == 0 and not snapshot_thread_seen:
                 answered = stacks / "rank0.txt"  # replaced whole: never missing once there
                 answer = answered.read_text() if answered.exists() else ""
                 snapshot_thread_seen = "'ddpkit-snapshot-" in answer
-        asked = worker.ask_stacks(stacks, {r: pid for r, pid in enumerate(pids)}, lines=100)
+        asked = channels.ask_stacks({r: pid for r, pid in enumerate(pids)}, lines=100)
     finally:
         out = _stop(proc, folder)
     assert proc.returncode == 0, out[-4000:]
@@ -282,9 +288,10 @@ def test_stack_requests_while_the_snapshot_thread_runs_never_kill_a_worker(tmp_p
     assert snapshot_thread_seen  # answers taken while a snapshot thread ran
     # Every rank answered, from inside its training loop, and SIGUSR2's answers are where the docs
     # say.
+    (logged,) = (tmp_path / "new").glob("ddpkit-logs/*/stacks")  # the job's folder is gone
     for rank in (0, 1):
         assert any("in fit" in frame for frame in asked[rank]), asked
-        answer = (stacks / f"rank{rank}.txt").read_text()
+        answer = (logged / f"rank{rank}.txt").read_text()
         assert "Main thread" in answer and "job.py" in answer, answer[:2000]
 
     # Control: the old answer to the same requests, faulthandler walking the threads from the
@@ -364,7 +371,9 @@ def test_sigusr1_and_sigusr2_through_the_jobs_end_never_kill_the_launcher(tmp_pa
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("fork_server", ["off", "on"])
-def test_stack_requests_at_a_workers_start_and_end_never_kill_it(tmp_path, env, fork_server):
+def test_stack_requests_at_a_workers_start_and_end_never_kill_it(
+    tmp_path, env, fork_server, monkeypatch
+):
     def job(where: Path, old: bool) -> tuple[int, str, _Pelting]:
         proc, folder = _start(
             where, SHORT_JOB, env | ({"OLD_FORWARD": "1"} if old else {}), "--fork-server",
@@ -372,10 +381,10 @@ def test_stack_requests_at_a_workers_start_and_end_never_kill_it(tmp_path, env, 
         )  # fmt: skip
         # From before any worker until the launcher has ended: to the launcher, and straight to
         # every worker that serves requests.
-        stacks = _stack_dir(proc, where)
+        stacks = _stack_dir(proc, env, monkeypatch)
         pelting = _Pelting(proc, (signal.SIGUSR2,), 0.005)
-        pelting.extra = lambda: worker.request_every_stack(stacks)
-        assert not list(stacks.glob("stack-*.fifo")), "a worker started first"
+        pelting.extra = channels.request_every_stack
+        assert not list((stacks.parent / channels.INBOX).iterdir()), "a worker started first"
         pelting.start()
         pids = [folder / f"rank{r}.pid" for r in (0, 1)]
         pelting.ended = _running(proc, pids, "the workers", or_ended=old)
@@ -394,12 +403,12 @@ def test_stack_requests_at_a_workers_start_and_end_never_kill_it(tmp_path, env, 
 
 
 @pytest.mark.parametrize("loader", ["build_loader", "plain"])
-def test_a_loader_workers_stack_can_be_asked_for_by_its_pid(tmp_path, env, loader):
+def test_a_loader_workers_stack_can_be_asked_for_by_its_pid(tmp_path, env, loader, monkeypatch):
     proc, folder = _start(tmp_path, LOADER_JOB, env | {"LOADER": loader}, nproc=1)
     try:
         (pid,) = _running(proc, [folder / "loader.pid"], "the loader worker's pid")
-        stacks = _stack_dir(proc, tmp_path)
-        asked = worker.ask_stacks(stacks, {pid: pid}, lines=100)
+        stacks = _stack_dir(proc, env, monkeypatch)
+        asked = channels.ask_stacks({pid: pid}, lines=100)
         if loader == "plain":
             # Control: a loader built without build_loader's worker_init_fn serves no requests:
             # nothing is asked, nothing answers (as with the old mechanism, for every loader).

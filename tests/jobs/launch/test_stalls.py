@@ -224,7 +224,7 @@ def test_a_rank_stalled_in_its_forward_is_named_while_the_other_waits_in_the_all
         ["--stall-timeout", FLOOR, "--collective-timeout", "60"], job, env, dirs / "on"
     )
     _named_then_ended(out, "sleeping", doing)
-    assert "rank 0 at step 6, after its backward: DDP's all-reduce" in out.stderr, out.stderr[
+    assert "rank 0 at step 6, at its backward's end, in DDP's all-reduce" in out.stderr, out.stderr[
         -3000:
     ]
     assert "in forward" in out.stderr.split("rank 1 (local rank 1", 1)[1]
@@ -343,6 +343,41 @@ def test_ranks_in_different_torch_collectives_are_named_within_the_allowance(dir
     assert "rank 1 blocked at step 4" in line, line
     assert out.to_end is not None and out.to_end < ENDED_WITHIN, (out.to_end, out.stderr[-3000:])
     _control(dirs, env, ["desync", "3"])
+
+
+def test_a_rank_idle_after_its_backward_is_named_not_the_one_waiting_for_it(dirs, env):
+    """Over ``prepare_model``'s DDP, rank 0 polls for a file after its backward while rank 1 waits
+    in ``torch.distributed.barrier()``: rank 0 left DDP's all-reduce (its mark says so) and is the
+    one named; the rank waiting is not taken for one that disagrees. Control: the watch off waits
+    out the collective timeout."""
+    out = run_stall_job(
+        ["--stall-timeout", FLOOR, "--collective-timeout", "60"], ["idle-rank-0", "3", "120"],
+        env, dirs / "on",
+    )  # fmt: skip
+    assert out.returncode != 0, out.stderr[-3000:]
+    headline = next(line for line in out.stderr.splitlines() if " stalled:" in line)
+    assert headline.startswith("ddpkit run: rank 0 stalled:"), headline
+    assert "in its loop" in headline and "rank 1 at step 3, in collective barrier" in headline
+    assert "disagree" not in out.stderr, out.stderr[-3000:]
+    _control(dirs, env, ["idle-rank-0", "3", "120"])
+
+
+def test_ranks_that_recv_from_each_other_are_named_a_deadlock(dirs, env):
+    """After step 3 each rank calls ``recv`` from the other: both wait in point-to-point calls,
+    each for the other, named a deadlock with what to change. Control: the same calls ordered
+    (rank 0 sends first) finish, and nothing is said."""
+    out = run_stall_job(
+        ["--stall-timeout", FLOOR, "--collective-timeout", "60"], ["p2p-deadlock", "3"], env,
+        dirs / "on",
+    )  # fmt: skip
+    assert out.returncode != 0, out.stderr[-3000:]
+    line = next(line for line in out.stderr.splitlines() if "wait for each other" in line)
+    assert "rank 0 in recv from rank 1, rank 1 in recv from rank 0: a deadlock" in line, line
+    ordered = run_stall_job(
+        ["--stall-timeout", FLOOR, "--collective-timeout", "60"], ["p2p-ordered", "3"], env,
+        dirs / "off",
+    )  # fmt: skip
+    assert ordered.returncode == 0 and "stalled" not in ordered.stderr, ordered.stderr[-3000:]
 
 
 def test_a_stopped_rank_is_named_whatever_the_collective_timeout(dirs, env):

@@ -177,6 +177,8 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     Path(a.log, f"pid-rank{rank}-attempt{attempt}").write_text(str(os.getpid()))
+    with open(Path(a.log, f"pids-rank{rank}.txt"), "a") as f:  # every run, a restart for a node
+        f.write(f"{os.getpid()}\n")  # that joined included (torch does not count it)
     dying = None
     if a.kill_in_restore is not None:
         kill_inside_restore(a.kill_in_restore, a.log)

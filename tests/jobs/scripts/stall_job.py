@@ -31,7 +31,10 @@ Healthy pauses (no rank is stalled; each must finish):
 
 And what must be named: ``desync``: after step AT rank 0 alone calls ``torch.distributed.broadcast``
 (a logging branch taken on one rank), the most common way ranks come to wait in different
-collectives.
+collectives. ``idle-rank-0``: over ``prepare_model``'s DDP, after the backward of step AT rank 0
+polls for a file that never comes (SECONDS) while rank 1 waits in ``torch.distributed.barrier()``:
+rank 0 is the one named. ``p2p-deadlock``: after step AT each rank calls ``recv`` from the other
+(named: a deadlock); ``p2p-ordered``, its control: rank 0 sends first, rank 1 receives first.
 
 Every step all-reduces the loss with ``ddpkit.all_reduce`` (a marked collective). The run lasts
 ``STEPS`` steps (the fourth argument, default 12); the Trainer's modes take a run folder as the
@@ -187,7 +190,7 @@ if mode.startswith("trainer"):
 loader = ddpkit.build_loader(
     Samples(), batch_size=4, shuffle=False, num_workers=1 if mode == "loader" else 0
 )
-if mode == "forward":
+if mode in ("forward", "idle-rank-0"):
     model = ddpkit.prepare_model(Net(4, 1))
 else:
     model = torch.nn.parallel.DistributedDataParallel(Net(4, 1))
@@ -196,6 +199,27 @@ for step, (x, y) in enumerate(loader, start=1):
     loss = torch.nn.functional.mse_loss(model(x), y)
     opt.zero_grad()
     loss.backward()
+    if step == at and mode == "idle-rank-0":
+        import torch.distributed as dist
+
+        if rt.rank == 0:  # user code polling for a file: idle, not in any collective
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline and not os.path.exists("never-written"):
+                time.sleep(0.2)
+        else:
+            say_stalls()
+        dist.barrier()
+    if step == at and mode in ("p2p-deadlock", "p2p-ordered"):
+        import torch.distributed as dist
+
+        if rt.rank == 1:
+            say_stalls()
+        buffer, peer = torch.zeros(3), 1 - rt.rank
+        if mode == "p2p-ordered" and rt.rank == 0:
+            dist.send(buffer, peer)
+        dist.recv(buffer, peer)
+        if mode == "p2p-ordered" and rt.rank == 1:
+            dist.send(buffer, peer)
     opt.step()
     ddpkit.all_reduce(loss.item())
     if stalling and step == at:

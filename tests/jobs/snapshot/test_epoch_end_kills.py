@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpkit.snapshot import _slots as mf
+from ddpkit._launch.agent import jobdir
 from ddpkit.testing import run_job
 from tests.jobs.scripts.epoch_end_job import EPOCHS, write_records
 
@@ -41,7 +41,7 @@ VARYING = {"time", "ms_per_step", "samples_per_s", "epoch_seconds", "restart_cou
 @pytest.fixture
 def env(clean_env, tmp_path) -> dict[str, str]:
     (tmp_path / "shm").mkdir()
-    return clean_env | {mf.ROOT_ENV: str(tmp_path / "shm")}
+    return clean_env | {jobdir.ROOT_ENV: str(tmp_path / "shm")}
 
 
 def run(tmp: Path, env: dict, name: str, variant: str, kills: str = "", *control: str) -> Path:

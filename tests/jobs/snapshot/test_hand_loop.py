@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpkit.snapshot import _slots as memory_folder
+from ddpkit._launch.agent import jobdir
 from ddpkit.testing import run_job
 from tests.jobs.scripts.hand_loop_job import EPOCHS, GLOBAL_BATCH, N_SAMPLES
 
@@ -133,7 +133,7 @@ def test_a_hand_loop_stopped_on_2_ranks_resumes_on_3_within_tolerance(tmp_path, 
 @pytest.mark.timeout(900)
 def test_a_hand_loop_with_copies_in_memory_loses_at_most_one_step_to_a_kill(tmp_path, clean_env):
     (tmp_path / "shm").mkdir()
-    env = clean_env | {memory_folder.ROOT_ENV: str(tmp_path / "shm")}
+    env = clean_env | {jobdir.ROOT_ENV: str(tmp_path / "shm")}
     rng = random.Random(SEED)
     kill_rank, kill_step = rng.randrange(2), rng.randrange(2, STEPS)
     reference = launch(tmp_path, "reference", env=env)

@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from ddpkit._launch.agent import jobdir
+from ddpkit.distributed._channels import JOB_DIR_ENV, MEMORY
 from ddpkit.snapshot import _codec as region
-from ddpkit.snapshot import _slots as mf
 from ddpkit.snapshot import _slots as ms
 from ddpkit.snapshot import _slots as mslot
 from ddpkit.testing import run_job as launch
@@ -97,7 +98,7 @@ def test_a_kill_during_the_copy_leaves_the_previous_state_whole(tmp_path, clean_
 def job_env(clean_env, tmp_path) -> dict[str, str]:
     """The launcher's environment, with the job folders of the test under ``tmp_path/shm``."""
     (tmp_path / "shm").mkdir()
-    return clean_env | {mf.ROOT_ENV: str(tmp_path / "shm")}
+    return clean_env | {jobdir.ROOT_ENV: str(tmp_path / "shm")}
 
 
 def job_args(tmp: Path, name: str, *args: str) -> list[str]:
@@ -173,7 +174,7 @@ def plain_reference(tmp_path_factory) -> Path:
 
     tmp = tmp_path_factory.mktemp("reference")
     (tmp / "shm").mkdir()
-    run_job(tmp, "reference", env=_clean_environ() | {mf.ROOT_ENV: str(tmp / "shm")})
+    run_job(tmp, "reference", env=_clean_environ() | {jobdir.ROOT_ENV: str(tmp / "shm")})
     return tmp
 
 
@@ -296,7 +297,7 @@ def test_the_job_folder_goes_when_the_job_ends_normally_on_failure_and_on_sigter
     tmp_path, job_env
 ):
     # The launcher told to make no folder: the Trainer says why and trains with disk snapshots only.
-    _, out = run_job(tmp_path, "off", "--epochs", "1", env=job_env | {mf.OFF_ENV: "0"})
+    _, out = run_job(tmp_path, "off", "--epochs", "1", env=job_env | {jobdir.OFF_ENV: "0"})
     assert {p.read_text() for p in (tmp_path / "off-log").glob("memory-rank*")} == {"off"}
     assert "snapshots in memory are off" in out and job_folders(tmp_path) == []
     run_job(tmp_path, "normal", "--epochs", "1", env=job_env)
@@ -420,12 +421,12 @@ def test_zero_and_fsdp_resume_a_killed_worker_from_memory_bitwise(tmp_path, job_
 
 
 def _peers_job(roots: list[str], protocol: bool) -> tuple[int, bool]:
-    """train_job's model for 6 steps with peers on; rank r's memory folder is ``roots[r]``."""
+    """train_job's model for 6 steps with peers on; rank r's job folder is ``roots[r]``."""
     from ddpkit.snapshot import _memory as memory_snapshots
     from tests.jobs.scripts.train_job import train
 
     rank = int(os.environ["RANK"])
-    os.environ[mf.DIR_ENV], os.environ[mf.KEY_ENV] = roots[rank], "job"
+    os.environ[JOB_DIR_ENV] = roots[rank]  # its job folder, with its memory folder in it
     # the control: a rank that stops just stops, as if saves were not collective with peers
     if not protocol:
         original = memory_snapshots.MemoryStore.save_step
@@ -458,7 +459,9 @@ def test_with_peers_a_rank_whose_memory_is_full_stops_every_ranks_copies_without
     (tmp_path / "roomy").mkdir()
     monkeypatch.setenv("DDPKIT_COLLECTIVE_TIMEOUT", "10")
     with small_tmpfs(tmp_path / "tiny", "64k"):
-        roots = [str(tmp_path / "roomy"), str(tmp_path / "tiny")]
+        roots = [str(tmp_path / "roomy" / "job"), str(tmp_path / "tiny" / "job")]
+        for root in roots:
+            os.makedirs(os.path.join(root, MEMORY))
         results = ddpkit.spawn(functools.partial(_peers_job, roots, True), 2)
         # Rank 1 had no room; it told rank 0 in the next gather, and both went on without copies to
         # memory.
@@ -490,7 +493,7 @@ def _node_loss(
     log, hold = tmp / f"{name}-log", tmp / f"{name}-go"
     log.mkdir()
     env = _env() | {
-        mf.ROOT_ENV: str(tmp / "shm"),
+        jobdir.ROOT_ENV: str(tmp / "shm"),
         "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}",
     }
     cmd = [
@@ -567,7 +570,7 @@ def _lost_node_checks(nodes, tmp_path, _env) -> None:
     # The uninterrupted run, on one node with the same thread count (two nodes of one rank train the
     # same weights as one node of two: tests/jobs/launch/test_multinode.py).
     env = _env() | {
-        mf.ROOT_ENV: str(tmp_path / "shm"),
+        jobdir.ROOT_ENV: str(tmp_path / "shm"),
         "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}",
     }
     reference, _ = run_job(tmp_path, "reference", env=env)

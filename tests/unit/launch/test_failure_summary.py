@@ -65,7 +65,7 @@ def _polls(agent, procs, *timeline: dict[int, int]) -> None:
 
 
 def _mark(folder: Path, rank: int, step: int, coll: int, phase: int = Phase.USER) -> None:
-    data = RECORD.pack(MAGIC, 100 + rank, 1, phase, 40, step, step, coll, -1, 0.0, 0.1, 0.0)
+    data = RECORD.pack(MAGIC, 100 + rank, 1, phase, 40, step, step, coll, -1, -1, 0.0, 0.1, 0.0)
     (folder / f"rank{rank}.progress").write_bytes(data)
 
 
@@ -157,7 +157,7 @@ def test_ranks_that_disagreed_on_a_collective_are_said_in_the_summary():
 
 def test_the_collective_a_rank_left_as_the_job_failed_is_kept_for_where_it_was():
     def record(phase: int, coll: int, steps: int = 5) -> watch.Record:
-        return watch.Record(100, phase, "all_reduce", 5, steps, 40, coll, -1, 0.0, 0.1)
+        return watch.Record(100, phase, "all_reduce", 5, steps, 40, coll, -1, -1, 0.0, 0.1)
 
     waiting = record(Phase.COLLECTIVE, 4)
     assert agent_module._left_collective(waiting, record(Phase.USER, 4))

@@ -399,6 +399,32 @@ def test_a_worker_whose_agent_is_gone_stops_waiting_for_its_word(tmp_path, monke
     assert (tmp_path / "recover" / "wait-2.0").exists()
 
 
+@pytest.mark.parametrize("replacement", [True, False], ids=["replacement", "control-fresh-worker"])
+def test_a_replacement_counts_the_recovery_it_starts_in_as_handled(
+    tmp_path, monkeypatch, replacement
+):
+    """A worker started inside recovery 1 (its restart count the go record's) while the incident
+    is still open does not cut its fresh links. Control: a worker of another attempt (a whole
+    restart) that finds a recovery under way cuts them at once."""
+    from ddpkit.distributed import _channels as channels
+
+    monkeypatch.setenv(channels.JOB_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1" if replacement else "2")
+    folder = tmp_path / "recover"
+    folder.mkdir()
+    (folder / "last").write_text("1")
+    (folder / "go-1").write_text(json.dumps({"recovery": 1, "restart_count": 1}))
+    (folder / "incident").write_text("1")  # the agent closes it once it has forked replacements
+    cuts: list[int] = []
+    monkeypatch.setattr(recovering, "sever", lambda: cuts.append(1))
+    monkeypatch.setattr(recovering, "note_links", lambda: None)
+    monkeypatch.setattr(channels, "serve", lambda name=None: False)
+    recovering.start()
+    assert cuts == ([] if replacement else [1])
+    recovering._sever_for(2)  # the next failure is one for it
+    assert len(cuts) == (1 if replacement else 2)
+
+
 # -- across nodes: two agents' InPlace on one real store, each node's workers faked --------------
 
 

@@ -43,7 +43,7 @@ def write(
     timeout: float = 0.0,
 ) -> None:
     steps = step if steps is None else steps
-    fields = (pid or 100 + rank, 1, phase, seq, step, steps, coll, -1, 0.0, last_step, timeout)
+    fields = (pid or 100 + rank, 1, phase, seq, step, steps, coll, -1, -1, 0.0, last_step, timeout)
     data = RECORD.pack(MAGIC, *fields)
     (folder / f"rank{rank}.progress").write_bytes(data)
 

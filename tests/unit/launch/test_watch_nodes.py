@@ -174,7 +174,7 @@ def test_a_store_that_is_gone_never_reaches_the_watch():
 
 def _record(folder: Path, rank: int, step: int, seq: int) -> None:
     folder.mkdir(exist_ok=True)
-    data = RECORD.pack(MAGIC, 100 + rank, 1, Phase.LOOP, seq, step, step, 0, -1, 0.0, 0.1, 0.0)
+    data = RECORD.pack(MAGIC, 100 + rank, 1, Phase.LOOP, seq, step, step, 0, -1, -1, 0.0, 0.1, 0.0)
     (folder / f"rank{rank}.progress").write_bytes(data)
 
 
@@ -283,7 +283,7 @@ def test_a_waiting_node_ends_its_own_workers_when_the_stalled_ranks_agent_stays_
         clock.now = 1000.0
         w = watch.Watch(tmp_path, watch.StallPolicy(floor=3.0), None, clock=clock, activity=_still)
         w.start_attempt({0: (0, child.pid)})
-        data = RECORD.pack(MAGIC, child.pid, 1, Phase.LOOP, 30, 6, 6, 0, -1, 0.0, 0.1, 0.0)
+        data = RECORD.pack(MAGIC, child.pid, 1, Phase.LOOP, 30, 6, 6, 0, -1, -1, 0.0, 0.1, 0.0)
         (tmp_path / "rank0.progress").write_bytes(data)
         store.set("ddpkit/nodes/r/summary/1", encode(1, "host1", 1, named, [STALLED]))
         link = NodeLink(store, "r", 0, 2)
@@ -454,3 +454,41 @@ def test_the_rank_behind_in_a_collective_the_others_went_past_while_they_block_d
     waits = _w(1, step=4, idle=5.0, phase=Phase.COLLECTIVE, coll=4)
     verdict = decide(0, [sleeping, waits])
     assert verdict.disagree == [] and verdict.stalled == [sleeping]
+
+
+def _p2p(rank: int, op: str, peer: int, idle: float = 4.0) -> View:
+    """Rank ``rank`` blocked in point-to-point ``op`` with ``peer`` at step 5."""
+    v = view(rank, 0, step=5, idle=idle, phase=Phase.POINT_TO_POINT, coll=2)
+    return View(**{**v.__dict__, "op": op, "peer": peer})
+
+
+def test_ranks_that_wait_for_each_other_through_a_point_to_point_call_are_a_deadlock():
+    both = [_p2p(0, "recv", 1), _p2p(1, "recv", 0)]
+    verdict = decide(0, both)
+    assert [v.rank for v in verdict.stalled] == [0, 1] == [v.rank for v in verdict.disagree]
+    assert watch_nodes.deadlock_words(verdict.disagree).startswith(
+        "ranks 0, 1 wait for each other: rank 0 in recv from rank 1, rank 1 in recv from rank 0: "
+        "a deadlock"
+    )
+    # a recv from a rank that waits in a collective the receiver never enters
+    mixed = [_p2p(0, "recv", 1), _in(1, 0, "all_reduce")]
+    assert [v.rank for v in watch_nodes.deadlock(mixed)] == [0, 1]
+    # Controls: a recv whose peer computes (not blocked) waits for it, no deadlock; a recv from
+    # a rank idle in its own code names that rank, behind; nor within the allowance.
+    busy = view(1, 0, step=5, idle=4.0)
+    busy = View(**{**busy.__dict__, "quiet": 0.5})
+    assert watch_nodes.deadlock([_p2p(0, "recv", 1), busy]) == []
+    idle = view(1, 0, step=5, idle=4.0)
+    assert watch_nodes.deadlock([_p2p(0, "recv", 1), idle]) == []
+    assert [v.rank for v in decide(0, [_p2p(0, "recv", 1), idle]).stalled] == [1]
+    assert watch_nodes.deadlock([_p2p(0, "recv", 1, 1.0), _p2p(1, "recv", 0, 1.0)]) == []
+
+
+def test_a_rank_marked_past_ddps_all_reduce_is_not_in_a_collective():
+    # in DDP's wait at its backward's end: in a collective; past it, in its loop: not
+    in_sync = view(0, 0, step=5, idle=4.0, phase=Phase.GRADIENT_SYNC)
+    past = view(0, 0, step=5, idle=4.0, phase=Phase.LOOP)
+    assert in_sync.in_collective and not past.in_collective
+    barrier = _in(1, 0, "barrier", coll=3)
+    assert watch_nodes.disagreement([past, barrier]) == []
+    assert [v.rank for v in decide(0, [past, barrier]).stalled] == [0]

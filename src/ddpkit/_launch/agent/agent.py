@@ -59,6 +59,7 @@ class Agent(HookedAgent):
     policy = watch.StallPolicy(floor=0)  # set by install()
     in_place: InPlace | None = None  # set by install() where --recover in-place applies
     node_timeout = 30.0  # set by install()
+    run_dir: Path | None = None  # the run's log folder, set by install()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -420,12 +421,28 @@ def _answer() -> None:
         signum = _requests.get()
         try:
             if signum == signal.SIGUSR2:
-                channels.request_every_stack()
+                _stacks_to_log_folder()
             else:
                 agent = Agent.current
                 send(agent.worker_pids() if agent is not None else [], signum)
         except Exception:  # noqa: BLE001  (an attempt ending as it is read: none left to reach)
             continue
+
+
+def _stacks_to_log_folder() -> None:
+    """SIGUSR2: every process of the job on this node asked for its stacks; their answers, by
+    name (``rank<N>.txt``, ``rank<N>-loader<W>.txt``), copied to the run's log folder
+    (``stacks/``), where a user looks for them."""
+    asked = channels.request_every_stack()
+    folder, run_dir = channels.channel(channels.STACKS), Agent.run_dir
+    channels.answered(asked)
+    if folder is None or run_dir is None:
+        return
+    fs.make_dirs(run_dir / "stacks", root=run_dir)
+    for path in folder.glob("*.txt"):
+        if not path.stem.isdigit():
+            with contextlib.suppress(OSError, ConfigError):
+                fs.write_atomic(run_dir / "stacks" / path.name, fs.read_bytes(path))
 
 
 def install(
@@ -436,14 +453,15 @@ def install(
     stall: watch.StallPolicy | None = None,
     in_place: InPlace | None = None,
     node_timeout: float = 30.0,
+    run_dir: Path | None = None,
 ) -> None:
     """Make torchrun's ``launch_agent`` (of ``launcher_api``) build :class:`Agent` with the stall
     watch's policy ``stall``, and forward signals to its workers; with ``fork_server``, start the
     job's fork server (importing ``preload``; ``display``: the workers' command). The job folder
-    is made first (:func:`open_job_folder`)."""
+    is made first (:func:`open_job_folder`); the stacks SIGUSR2 asks for go to ``run_dir``."""
     use_agent(launcher_api, Agent)
     Agent.policy = stall if stall is not None else watch.StallPolicy(floor=0)
-    Agent.node_timeout = node_timeout
+    Agent.node_timeout, Agent.run_dir = node_timeout, run_dir
     _forward_signals()
     if fork_server:
         forked.install(preload, display)

@@ -272,8 +272,9 @@ def launch(cfg: LaunchConfig) -> int:
         args.signals_to_handle = agent.TORCHRUN_SIGNALS
     display = [cfg.script, *cfg.script_args]
     agent.install(
-        launcher_api, cfg.uses_fork_server, cfg.preload, display, stall, in_place, cfg.node_timeout
-    )
+        launcher_api, cfg.uses_fork_server, cfg.preload, display, stall, in_place, cfg.node_timeout,
+        run_dir,
+    )  # fmt: skip
     if cfg.all_ranks:
         tail.install()
     try:

@@ -275,29 +275,25 @@ def clean(error: BaseException) -> list[str]:
     return left
 
 
-def _held_by(obj: Any) -> str:
-    """What holds ``obj``, in words: a module's global, a closure, a thread, a frame."""
+def _held_by(obj: Any, depth: int = 3) -> str:
+    """What holds ``obj``, in words: the module whose global reaches it (through ``depth``
+    containers at most), else what refers to it."""
     import types
 
-    holders = []
-    for ref in gc.get_referrers(obj):
-        if isinstance(ref, dict):
-            module = next(
-                (
-                    m.__name__
-                    for m in list(sys.modules.values())
-                    if getattr(m, "__dict__", None) is ref
-                ),
-                None,
-            )
-            holders.append(f"a global of module {module}" if module else "a dict")
-        elif isinstance(ref, types.FrameType):
-            holders.append(f"a frame of {ref.f_code.co_name}")
-        elif isinstance(ref, types.CellType):
-            holders.append("a closure")
-        elif not isinstance(ref, list) or ref is not gc.garbage:
-            holders.append(type(ref).__name__)
-    return "held by " + ", ".join(sorted(set(holders))[:4]) if holders else "held outside Python"
+    modules = {id(vars(m)): name for name, m in list(sys.modules.items()) if hasattr(m, "__dict__")}
+    seen, level, found = {id(obj)}, [obj], set()
+    for _ in range(depth):
+        referrers = [r for o in level for r in gc.get_referrers(o) if id(r) not in seen]
+        for ref in referrers:
+            seen.add(id(ref))
+            if id(ref) in modules:
+                return f"held by a global of module {modules[id(ref)]}"
+            if isinstance(ref, types.FrameType) and ref.f_code.co_filename != __file__:
+                found.add(f"a frame of {ref.f_code.co_name}")
+            elif isinstance(ref, types.CellType):
+                found.add("a closure")
+        level = [r for r in referrers if isinstance(r, (dict, list, tuple, set))]
+    return "held by " + (", ".join(sorted(found)[:4]) if found else "a container of its own")
 
 
 def leave(error: BaseException) -> bool:

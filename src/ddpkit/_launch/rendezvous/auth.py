@@ -252,8 +252,32 @@ class FramedSocket:
         return data
 
 
+PEER_SILENT = 10.0
+"""Seconds the relay's connection across the network may go unanswered (its data unacknowledged,
+or no answer to keepalive probes when idle) before it is closed: a node cut from the network, or
+powered off, sends no reset, and a store operation through it would wait for ever."""
+
+
+def _bounded(sock: socket.socket) -> None:
+    """Close ``sock`` once its peer has not answered for :data:`PEER_SILENT` seconds (Linux; the
+    kernel answers for a busy peer process, so only a peer that is gone or unreachable counts)."""
+    options = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+    for name, value in (
+        ("TCP_KEEPIDLE", PEER_SILENT / 2), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", PEER_SILENT / 2),
+        ("TCP_USER_TIMEOUT", PEER_SILENT * 1000),  # ms: data sent and never acknowledged
+    ):  # fmt: skip
+        if hasattr(socket, name):
+            options.append((socket.IPPROTO_TCP, getattr(socket, name), int(value)))
+    for level, option, value in options:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(level, option, value)
+
+
 def splice(framed: FramedSocket, plain: socket.socket) -> None:
-    """Carry bytes both ways between ``plain`` and ``framed``; when one way ends, close both."""
+    """Carry bytes both ways between ``plain`` and ``framed``; when one way ends, or ``framed``'s
+    peer stops answering (:func:`_bounded`), close both: the store client waiting on ``plain``
+    gets an error instead of waiting for an answer that never comes."""
+    _bounded(framed.sock)
     # a store request is several small writes: Nagle's algorithm would hold each for an ACK
     for s in (framed.sock, plain):
         with contextlib.suppress(OSError):

@@ -66,6 +66,7 @@ class Record:
     seq: int
     coll: int
     numel: int
+    peer: int  # of its point-to-point call (-1: none or any)
     step_at: float
     last_step: float
     timeout: float = 0.0  # its process group's collective timeout (0: not known)
@@ -81,11 +82,11 @@ def read_record(path: Path) -> Record | None:
             return None
         if first == second and len(first) == SIZE:
             fields = RECORD.unpack(first)
-            magic, pid, op, phase, seq, step, steps, coll, numel = fields[:9]
+            magic, pid, op, phase, seq, step, steps, coll, numel, peer = fields[:10]
             if magic != MAGIC:
                 return None
             name = OPS[op] if 0 <= op < len(OPS) else "collective"
-            return Record(pid, phase, name, step, steps, seq, coll, numel, *fields[9:])
+            return Record(pid, phase, name, step, steps, seq, coll, numel, peer, *fields[10:])
     return None
 
 
@@ -293,15 +294,15 @@ class Watch:
 
     def view(self, r: _Rank, now: float) -> View:
         rec = r.record
-        step, coll, phase, op, numel = (
-            (rec.step, rec.coll, rec.phase, rec.op, rec.numel)
+        step, coll, phase, op, numel, peer = (
+            (rec.step, rec.coll, rec.phase, rec.op, rec.numel, rec.peer)
             if rec
-            else (-1, 0, 0, "collective", -1)
+            else (-1, 0, 0, "collective", -1, -1)
         )
         return View(
             r.rank, self.node, self.host, r.local_rank, r.pid, step, coll, phase, op,
             now - r.changed_at, self.allowance(r), state_code(r.pid), quiet=r.quiet(now),
-            numel=numel,
+            numel=numel, peer=peer,
         )  # fmt: skip
 
     def poll(self, running: set[int]) -> Stall | None:
@@ -327,7 +328,9 @@ class Watch:
             return None
         else:
             return None
-        if stall is not None and (odd := nodes.disagreement(live + self.remote)):
+        if stall is not None and (cycle := nodes.deadlock(live + self.remote)):
+            stall.disagreement = nodes.deadlock_words(cycle)
+        elif stall is not None and (odd := nodes.disagreement(live + self.remote)):
             stall.disagreement = nodes.disagreement_words(odd, self.multi)
         return stall
 

@@ -27,6 +27,7 @@ ORDER = {
     Phase.USER: 5,
     Phase.EVALUATION: 5,
     Phase.COLLECTIVE: 6,  # arrived, waiting for the others
+    Phase.POINT_TO_POINT: 6,  # arrived, waiting for its peer
 }
 
 STATES = {
@@ -61,6 +62,7 @@ class View:
     quiet: float = -1.0
     """Seconds since anything of it (record, CPU, I/O, its children's) moved; -1: not read."""
     numel: int = -1  # the elements of its collective's first tensor (-1: not said)
+    peer: int = -1  # the rank its point-to-point call is with (-1: none, or any)
 
     @property
     def marked(self) -> bool:
@@ -91,9 +93,7 @@ class View:
     @property
     def in_collective(self) -> bool:
         """In a collective: a marked one, or DDP's gradient all-reduce (after its backward)."""
-        return self.phase == Phase.COLLECTIVE or (
-            self.phase == Phase.GRADIENT_SYNC and self.still > 1.0
-        )
+        return self.phase in (Phase.COLLECTIVE, Phase.GRADIENT_SYNC)
 
     @property
     def waiting(self) -> float:
@@ -108,6 +108,9 @@ class View:
         return 1, self.coll, self.op, self.numel
 
     def doing(self) -> str:
+        if self.phase == Phase.POINT_TO_POINT:
+            with_ = "any rank" if self.peer < 0 else f"rank {self.peer}"
+            return f"in {self.op} {'to' if self.op == 'send' else 'from'} {with_}"
         if self.phase == Phase.COLLECTIVE:
             size = f" of {self.numel} elements" if self.numel >= 0 else ""
             return f"in collective {self.op} #{self.coll}{size}"
@@ -142,6 +145,8 @@ def judge(views: list[View]) -> Judged:
     stopped = [v for v in views if v.stopped and v.idle > 0.4]
     if stopped:
         return Judged(stalled=stopped)
+    if cycle := deadlock(views):
+        return Judged(stalled=cycle, disagree=cycle)
     disagree = disagreement(views)
     if disagree:
         return Judged(stalled=odd_ones(disagree), disagree=disagree)
@@ -174,6 +179,44 @@ def disagreement(views: list[View]) -> list[View]:
         if not all(v.in_collective for v in views if v.position == lowest):
             return []  # one behind outside any collective: the others wait for it (a stall)
     return sorted(views, key=lambda v: v.rank)
+
+
+def _waits_for(v: View, views: list[View]) -> set[int]:
+    """The ranks ``v`` waits for: its point-to-point call's peer; in a collective, every rank not
+    in it."""
+    if v.phase == Phase.POINT_TO_POINT:
+        return {v.peer} if v.peer >= 0 else set()
+    if v.in_collective:
+        return {u.rank for u in views if not (u.in_collective and u.collective == v.collective)}
+    return set()
+
+
+def deadlock(views: list[View]) -> list[View]:
+    """Ranks that wait for each other in a cycle that passes through a point-to-point call (a
+    ``recv`` on both sides, a ``recv`` from a rank waiting in a collective), none moving past its
+    allowance, by rank; else none. Cycles of collectives alone are :func:`disagreement`'s."""
+    blocked = {v.rank: v for v in views if v.marked and v.blocked}
+    if not any(v.phase == Phase.POINT_TO_POINT for v in blocked.values()):
+        return []
+    graph = {r: _waits_for(v, views) & set(blocked) for r, v in blocked.items()}
+    for start in sorted(r for r, v in blocked.items() if v.phase == Phase.POINT_TO_POINT):
+        path, at = [start], start
+        while graph[at]:
+            at = min(graph[at])  # the lowest rank it waits for: the same walk on every node
+            if at in path:
+                return sorted((blocked[r] for r in path[path.index(at) :]), key=lambda v: v.rank)
+            path.append(at)
+    return []
+
+
+def deadlock_words(views: list[View]) -> str:
+    """One line for ranks in a cycle of waits through point-to-point calls, and what to change."""
+    each = ", ".join(f"rank {v.rank} {v.doing()}" for v in views)
+    return (
+        f"ranks {', '.join(str(v.rank) for v in views)} wait for each other: {each}: a deadlock "
+        "(a blocking send or recv whose peer waits elsewhere; order them so that one side sends "
+        "first, or post both with isend/irecv and wait on the two)"
+    )
 
 
 def odd_ones(views: list[View]) -> list[View]:
@@ -257,10 +300,10 @@ def encode(
     rows = [
         [v.rank, v.local_rank, v.pid, v.step, v.coll, v.phase,
          OPS.index(v.op) if v.op in OPS else 0, round(v.idle, 1), round(v.allowance, 1), v.state,
-         round(v.quiet, 1), v.numel]
+         round(v.quiet, 1), v.numel, v.peer]
         for v in views
     ]  # fmt: skip
-    doc = {"v": 2, "n": node, "h": host[:255], "c": count, "x": sorted(named),
+    doc = {"v": 3, "n": node, "h": host[:255], "c": count, "x": sorted(named),
            "w": sorted(waiting), "r": rows}  # fmt: skip
     return json.dumps(doc, separators=(",", ":")).encode()
 
@@ -273,12 +316,14 @@ def decode(data: bytes) -> Summary | None:
         named = frozenset(int(r) for r in doc["x"])
         waiting = frozenset(int(r) for r in doc["w"])
         views = []
-        for rank, local, pid, step, coll, phase, op, idle, allowance, state, quiet, n in doc["r"]:
+        for row in doc["r"]:
+            rank, local, pid, step, coll, phase, op, idle, allowance, state, quiet, n, peer = row
             name = OPS[op] if isinstance(op, int) and 0 <= op < len(OPS) else "collective"
             views.append(
                 View(int(rank), node, host, int(local), int(pid), int(step), int(coll), int(phase),
-                     name, float(idle), float(allowance), str(state)[:1], float(quiet), int(n))
+                     name, float(idle), float(allowance), str(state)[:1], float(quiet), int(n),
+                     int(peer))
             )  # fmt: skip
     except (ValueError, TypeError, KeyError, IndexError, AttributeError):
         return None
-    return Summary(node, host, count, named, waiting, views) if doc.get("v") == 2 else None
+    return Summary(node, host, count, named, waiting, views) if doc.get("v") == 3 else None
