@@ -159,19 +159,27 @@ class Snapshots:
         runtime: Runtime,
         strategy: Any,
         states: Mapping[str, Any],
+        own: Mapping[str, Any],
+        generator: torch.Generator,
+        seed: int,
+        new_rank_state: NewRankState,
         record: RunRecord,
         global_micro_batch: int,
         log: Callable[[str, int, dict[str, Any]], None],
-        print0: Callable[[str], None],
     ) -> Snapshots:
-        """The Trainer's: ``states``, its parts by name (``"train"`` first, ``"rng"`` among them,
-        None where it has none); ``log(kind, step, record)`` writes a record."""
+        """The Trainer's: ``states``, its parts by name (``"train"`` first, None where it has
+        none), and the streams' part (``"rng"``, last) with ``own``, the parts each rank keeps its
+        own of, as :class:`Snapshots`' ``own`` (``generator``: the loader's; ``seed``: what the
+        streams are reseeded from at another world size); ``log(kind, step, record)`` writes a
+        record."""
         self = cls.__new__(cls)
         self.loader, self._lock = None, None  # fit() holds the run directory
         parts = {k: v for k, v in states.items() if v is not None}
-        self._open(
-            run_dir, config, runtime, strategy, parts, record, global_micro_batch, log, print0
-        )
+        parts[STREAMS_PART] = RankStreams(
+            runtime, generator, seed, parts["train"], own=own, new_rank_state=new_rank_state,
+            warn=lambda line: print0(line, group=runtime.group),
+        )  # fmt: skip
+        self._open(run_dir, config, runtime, strategy, parts, record, global_micro_batch, log)
         return self
 
     def _open(

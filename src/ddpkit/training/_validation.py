@@ -62,16 +62,19 @@ class Validation:
         runtime: Runtime,
         val_data: Any,
         *,
-        evaluate: Callable[[Dataset, str], dict[str, float]],
-        model_weights: Callable[[], Mapping[str, torch.Tensor]],
+        strategy: Strategy,
+        metrics: Callable[[nn.Module, Any], Mapping[str, Any]] | None,
+        autocast: Callable[[], Any],
         log: Callable[[str, int, dict[str, Any]], None],
         plateau: Any = None,
     ) -> None:
         """A Trainer's validation and weights files as ``config`` asks: early stopping, ``best.pt``
         and, in ``config.weights_format``, ``best.safetensors`` (or ``best_weights.pt``) and the
-        final weights. ``evaluate(val_data, "val")`` gives a validation's metrics. ``plateau``: a
-        metric-driven LR scheduler (``ReduceLROnPlateau``), stepped at each validation with
-        ``early_stopping.metric``'s value (before any snapshot of the step)."""
+        final weights. :attr:`evaluator` evaluates ``strategy``'s model with ``metrics`` under
+        ``autocast`` (:func:`evaluate_with`; None without ``metrics``); a validation is
+        ``evaluator(val_data, "val")``.
+        ``plateau``: a metric-driven LR scheduler (``ReduceLROnPlateau``), stepped at each
+        validation with ``early_stopping.metric``'s value (before any snapshot of the step)."""
         # safetensors, or .pt without it
         self.weights_format, notice = export.resolve_format(config.weights_format)
         if notice is not None:
@@ -95,9 +98,19 @@ class Validation:
             export_format=self.weights_format,
         )
         self.best_weights.at_step = config.val_every_steps is not None
-        self.model_weights, self.log, self.plateau = model_weights, log, plateau
+        self.model_weights, self.log, self.plateau = strategy.model_weights, log, plateau
         self.every_steps = config.val_every_steps
-        self.evaluate = partial(evaluate, val_data, "val") if val_data is not None else None
+        self.evaluator = (
+            None
+            if metrics is None
+            else partial(evaluate_with, strategy, metrics, autocast, config, runtime.group)
+        )
+        """``evaluator(data, prefix)``: exact metrics over ``data``, named ``prefix/metric``."""
+        self.evaluate = (
+            partial(self.evaluator, val_data, "val")
+            if val_data is not None and self.evaluator is not None
+            else None
+        )
         self.latest: dict[str, Any] = {}
         """The latest step-wise validation's metrics (``val/...``), which ``fit()`` returns with the
         epoch's."""
