@@ -23,12 +23,10 @@ from ddpkit.data._fingerprint import refusal
 from ddpkit.distributed import _signals as signals
 from ddpkit.distributed._collectives import all_reduce
 from ddpkit.distributed._environment import RECOVER_DIR_ENV, recovery_record
-from ddpkit.distributed._log import print0
-from ddpkit.distributed._runtime import Runtime, get_runtime
+from ddpkit.distributed._runtime import Runtime, get_runtime, print0
 from ddpkit.snapshot._disk import DiskStore
 from ddpkit.snapshot._folders import folder_name
-from ddpkit.snapshot._run_dir import claim
-from ddpkit.snapshot._run_record import RunRecord
+from ddpkit.snapshot._run_dir import RunRecord, claim
 from ddpkit.snapshot._state import (
     STREAMS_PART,
     Check,

@@ -15,7 +15,7 @@ from torch import nn
 
 from ddpkit._errors import ConfigError
 from ddpkit.nn._dropout import convert_dropout
-from ddpkit.snapshot._run_record import RunRecord
+from ddpkit.snapshot._run_dir import RunRecord
 from ddpkit.strategies import DDPConfig, strategy_config
 from ddpkit.strategies._ddp import SeveralModels
 from ddpkit.training._config import TrainerConfig

@@ -24,9 +24,9 @@ from ddpkit.data._loader import batch_len, to_device
 from ddpkit.data._sampler import ShardedBatchSampler
 from ddpkit.distributed import Group
 from ddpkit.distributed import _progress as marks
-from ddpkit.distributed._collectives import all_reduce, comm_device, gather_values, is_live
+from ddpkit.distributed._collectives import all_reduce, comm_device, gather_values
 from ddpkit.distributed._progress import Phase
-from ddpkit.distributed._runtime import Runtime
+from ddpkit.distributed._runtime import Runtime, is_live
 from ddpkit.distributed._seeding import mix_seed
 from ddpkit.nn._dropout import batch_layout, step_layout
 from ddpkit.snapshot._state import TrainState

@@ -28,13 +28,11 @@ from ddpkit.distributed import Group
 from ddpkit.distributed import _progress as marks
 from ddpkit.distributed import _signals as signals
 from ddpkit.distributed._collectives import all_reduce, broadcast_object
-from ddpkit.distributed._log import print0
 from ddpkit.distributed._progress import Phase
-from ddpkit.distributed._runtime import get_runtime
+from ddpkit.distributed._runtime import get_runtime, print0
 from ddpkit.distributed._seeding import seed_rank
 from ddpkit.nn._dropout import convert_dropout
 from ddpkit.snapshot import _run_dir as run_dir_lib
-from ddpkit.snapshot._run_record import RunRecord, write_resolved_config
 from ddpkit.snapshot._snapshots import Snapshots, resumes
 from ddpkit.snapshot._state import TrainState
 from ddpkit.strategies import Strategy, build_strategy
@@ -168,7 +166,8 @@ def build_models(
         check_metric_driven(config, scheduler, val_data)
     if config.global_batch_dropout:
         convert_dropout(model)
-    record = RunRecord.of(config, optimizer, model)  # the lr as asked, before any scheduler step
+    # the lr as asked, before any scheduler step
+    record = run_dir_lib.RunRecord.of(config, optimizer, model)
     # zero and fsdp rebuild the optimizer over what they shard (the scheduler follows)
     strategy = build_strategy(
         config.strategy, model, optimizer, runtime=runtime, sync_batchnorm=config.sync_batchnorm,
@@ -365,7 +364,7 @@ class Trainer:
                 "event", self.step, {"event": "start", "restart_count": rt.restart_count}
             )
         with self._run_dir_write(self.run_dir / "config.json"):
-            write_resolved_config(self.run_dir, self.config, self.runtime, self.sampler.batch_size)
+            run_dir_lib.write_resolved_config(self.run_dir, cfg, rt, self.sampler.batch_size)
         call(self.callbacks, "on_fit_start", self)
         # A finished run, resumed: nothing left to train.
         if self.early_stopping.should_stop:

@@ -34,11 +34,11 @@ import ddpkit
 from ddpkit._errors import ConfigError
 from ddpkit.snapshot import _codec as codec
 from ddpkit.snapshot import _codec as region
-from ddpkit.snapshot import _export as export
 from ddpkit.snapshot import _slots as ms
 from ddpkit.snapshot import _slots as mslot
 from ddpkit.snapshot._disk import DiskStore
 from ddpkit.snapshot._state import RankStreams, TrainState
+from ddpkit.training import _validation as export
 from tests.fuzz import examples
 
 SOME = examples(25, shrink=False)
