@@ -163,13 +163,14 @@ class DiskStore:
     def _size(self) -> int:
         return dist.get_world_size(self.group) if self.distributed else 1
 
-    def save_step(self, parts: Parts) -> None:
-        """Snapshot ``parts`` at their step (:meth:`save`): the strategy's state, the other values
+    def save_step(self, parts: Callable[[], Parts]) -> None:
+        """Snapshot the step's ``parts()`` (:meth:`save`): the strategy's state, the other values
         (rank 0's) and this rank's own streams."""
-        strategy = parts.strategy
+        step = parts()
+        strategy = step.strategy
         self.save(
-            parts.step, strategy.state_dict(), parts.values, replicated=strategy.replicated,
-            own=parts.own,
+            step.step, strategy.state_dict(), step.values, replicated=strategy.replicated,
+            own=step.own,
         )  # fmt: skip
 
     def load_step(self, found: Found, strategy: Strategy, check: Check) -> Resumed:

@@ -178,11 +178,12 @@ class MemoryStore:
         self.stalls: list[float] = []
         """Seconds each save held the training loop."""
 
-    def save_step(self, parts: Parts) -> Interval | None:
-        """Copy ``parts`` into the older slot; every rank calls it after the same steps (collective
-        with peers, and when the interval is chosen). Memory full: one warning, and the copies stop
-        on this rank (with peers, on every rank). A value the codec cannot hold raises before the
-        slot is touched. Returns the interval once it is chosen (with ``every_steps`` None), after
+    def save_step(self, parts: Callable[[], Parts]) -> Interval | None:
+        """Copy the step's ``parts()`` into the older slot (read only while the copies go on, and
+        timed with the copy); every rank calls it after the same steps (collective with peers, and
+        when the interval is chosen). Memory full: one warning, and the copies stop on this rank
+        (with peers, on every rank). A value the codec cannot hold raises before the slot is
+        touched. Returns the interval once it is chosen (with ``every_steps`` None), after
         :data:`TUNE_AFTER` copies."""
         self._calls += 1
         if self._leave_next:
@@ -194,7 +195,7 @@ class MemoryStore:
             return self._choose_interval()
         return None
 
-    def _save_timed(self, parts: Parts) -> None:
+    def _save_timed(self, parts: Callable[[], Parts]) -> None:
         t0 = time.perf_counter()
         if not self._tuned:
             self._starts.append(t0)
@@ -226,15 +227,16 @@ class MemoryStore:
         wanted = int(all_reduce(wanted, op="max", group=self.group))
         return Interval(wanted, round(1e3 * stall, 3), round(1e3 * step, 3))
 
-    def _save(self, parts: Parts) -> None:
-        position, values = parts.position, parts.values
-        plan = self._current_plan(parts.strategy)
-        groups = parts.strategy.optimizer.param_groups
+    def _save(self, parts: Callable[[], Parts]) -> None:
+        step = parts()
+        position, values = step.position, step.values
+        plan = self._current_plan(step.strategy)
+        groups = step.strategy.optimizer.param_groups
         dynamic = {
             "states": values["states"],
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups],
             "strategy_values": [[list(p), v] for p, v in plan.values],
-            "own": parts.own,
+            "own": step.own,
             "global_micro_batch": values["global_micro_batch"],
         }
         extra: list[torch.Tensor] = []

@@ -56,8 +56,8 @@ class Store(Protocol):
     strategy to read it into and the check it must pass. Every rank calls every method after the
     same steps."""
 
-    def save_step(self, parts: Parts) -> Any:
-        """Keep ``parts`` at their step."""
+    def save_step(self, parts: Callable[[], Parts]) -> Any:
+        """Keep the step's state, which ``parts()`` gives when the store copies it."""
 
     def latest(self, warn: Callable[[str], None]) -> Any:
         """The newest whole state every rank can take, the same on every rank, or None; damaged ones
@@ -277,7 +277,7 @@ class Snapshots:
             step = self.train.step
             event = {"event": "snapshot", "file": folder_name(step), "async": self.disk.async_write}
             self.log("event", step, event)
-            self.disk.save_step(self.parts())
+            self.disk.save_step(self.parts)
         if wait:
             self.disk.wait()
 
@@ -289,7 +289,7 @@ class Snapshots:
         """The copy in memory (every rank), when :meth:`in_memory_due` says so; the copies' interval
         once the store has chosen it."""
         assert self.memory is not None
-        chosen = self.memory.save_step(self.parts())
+        chosen = self.memory.save_step(self.parts)
         if chosen is not None:
             self.schedule.memory_every_steps = chosen.every_steps
             self.log("event", self.train.step, {"event": "memory_snapshots", **asdict(chosen)})
