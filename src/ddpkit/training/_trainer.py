@@ -286,7 +286,7 @@ class Trainer:
     )
     skipped_steps = property(lambda self: self.state.skipped_steps)
     resumed_from = property(lambda self: self.snapshots.resumed_from)
-    # What the Trainer's parts own, by the names the Trainer has always given them.
+    # What the Trainer's parts own, under the Trainer's names.
     scaler = property(lambda self: self.train_step.scaler)  # fp16's GradScaler, else None
     speed = property(lambda self: self.train_step.observe.speed)
     early_stopping = property(lambda self: self.validation.early_stopping)
