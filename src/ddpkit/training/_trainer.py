@@ -291,6 +291,7 @@ class Trainer:
     speed = property(lambda self: self.train_step.observe.speed)
     early_stopping = property(lambda self: self.validation.early_stopping)
     best_weights = property(lambda self: self.validation.best_weights)
+    val_data = property(lambda self: self.validation.val_data)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything the next step needs (collective); see

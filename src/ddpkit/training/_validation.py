@@ -108,7 +108,8 @@ class Validation:
             export_format=self.weights_format,
         )
         self.best_weights.at_step = config.val_every_steps is not None
-        self.model_weights, self.log, self.plateau = strategy.model_weights, log, plateau
+        self.val_data, self.model_weights, self.log = val_data, strategy.model_weights, log
+        self.plateau = plateau
         self.every_steps = config.val_every_steps
         self.evaluator = (
             None
