@@ -42,6 +42,7 @@ import ddpkit
 import ddpkit.platforms._cpus
 from ddpkit.tracking._speed import Speed
 from ddpkit.training._config import LoggingConfig, SnapshotConfig
+from ddpkit.training._step import StepObserver
 from ddpkit.training._trainer import Trainer, TrainerConfig
 
 
@@ -82,10 +83,11 @@ def bench(steps: int, rounds: int, batch_size: int, model: str, every: int) -> d
         builds them: a fresh ``Speed`` (an enabled one registers its hooks; the one it replaces
         removes its own)."""
         t.speed.close()
-        t.speed = t.train_step.speed = Speed(
+        speed = Speed(
             t.model, rt.device, enabled=enabled, precision=config.precision,
             world_size=rt.world_size,
         )  # fmt: skip
+        t.train_step.observe = StepObserver(speed, t.train_step.window)
 
     def timed(enabled: bool) -> tuple[float, float, float, float]:
         timings(enabled)

@@ -2,7 +2,7 @@
 against synchronous (write, fsync, checksum, marker), for a ~100 M parameter model with Adam state.
 
 What is timed is what ``Trainer.save()`` does: the strategy's state dict, then
-:meth:`ddpkit.snapshot.SnapshotManager.save`; the stall is the time until it returns
+:meth:`ddpkit.snapshot._disk.DiskStore.save`; the stall is the time until it returns
 (rank 0's; every rank waits about as long, as the save is collective). Synchronous and asynchronous
 saves alternate (sync, async, sync, ...) in one job, each kind into its own folder (keeping the
 newest), after one untimed save of each kind (it allocates the host copy that later asynchronous
@@ -34,7 +34,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit.demo._models import Block
-from ddpkit.snapshot._disk import SnapshotManager
+from ddpkit.snapshot._disk import DiskStore
 from ddpkit.strategies import build_strategy, strategy_config
 
 
@@ -60,7 +60,7 @@ def job(
     times: dict[str, list[float]] = {"sync": [], "async": [], "background": []}
     step = 0
     checkpointers = {
-        mode: SnapshotManager(
+        mode: DiskStore(
             Path(folder) / mode, group=rt.group, keep_last=1, async_write=mode == "async"
         )
         for mode in ("sync", "async")

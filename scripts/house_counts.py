@@ -1,14 +1,15 @@
 """The house's weight, counted: what docs/architecture.md's table holds, and what a change to the
 package's shape is measured by.
 
-    python scripts/house_counts.py [--src src/ddpkit] [--trace]
+    python scripts/house_counts.py [--src src/ddpkit] [--trace] [--names]
 
 Prints, for the package under ``--src``: its lines; docstring and comment lines over the other
-lines (code and blank);
-docstrings over 20 lines; functions over 60 lines; classes named ``*Snapshot*``; the package's
-modules loaded by ``import ddpkit``. ``--trace`` also runs a 2-rank Trainer job (``ddpkit.spawn``)
-and counts, on rank 0 with ``sys.setprofile``, the package's files and functions one step cycle
-calls (from one step's end to the next's) and a snapshot saved and resumed into a new Trainer.
+lines (code and blank); docstrings over 20 lines; functions over 60 lines; classes named
+``*Snapshot*``; the package's modules loaded by ``import ddpkit``; circles of modules that import
+each other (at their top or inside a function; an ``if TYPE_CHECKING:`` import is none).
+``--trace`` also runs a 2-rank Trainer job (``ddpkit.spawn``) and counts, on rank 0 with
+``sys.setprofile``, the package's files and functions one step cycle calls (from one step's end to
+the next's) and a snapshot saved and resumed into a new Trainer calls.
 """
 
 from __future__ import annotations
@@ -46,6 +47,55 @@ def prose_and_code(text: str) -> tuple[int, int]:
     return len(prose), len(code - prose)
 
 
+def imports_of(path: Path, module: str, modules: set[str]) -> set[str]:
+    """The package's modules that ``module`` imports, at its top or inside a function, but not under
+    ``if TYPE_CHECKING:``; ``from package import name`` names the module ``package.name`` where
+    there is one."""
+    found: set[str] = set()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and ast.unparse(child.test).endswith("TYPE_CHECKING"):
+                for other in child.orelse:
+                    visit(other)
+                continue
+            if isinstance(child, ast.Import):
+                found.update(a.name for a in child.names if a.name in modules)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    parts = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    base = ".".join(parts + ([child.module] if child.module else []))
+                for alias in child.names:
+                    named = f"{base}.{alias.name}"
+                    found.add(named if named in modules else base)
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return (found & modules) - {module}
+
+
+def import_circles(src: Path) -> list[str]:
+    """The package's modules that import each other in a circle (each circle's modules, sorted)."""
+    paths = {
+        ".".join(p.relative_to(src.parent).with_suffix("").parts): p for p in src.rglob("*.py")
+    }
+    paths = {m.removesuffix(".__init__"): p for m, p in paths.items()}
+    graph = {m: imports_of(p, m, set(paths)) for m, p in paths.items()}
+    reach = {m: set(graph[m]) for m in graph}  # what each module reaches, by any number of imports
+    changed = True
+    while changed:
+        changed = False
+        for m in reach:
+            more = set().union(*(reach[n] for n in reach[m])) - reach[m]
+            if more:
+                reach[m] |= more
+                changed = True
+    circles = {tuple(sorted(n for n in reach[m] if m in reach[n])) for m in reach if m in reach[m]}
+    return [" ".join(c) for c in sorted(circles)]
+
+
 def static_counts(src: Path) -> dict[str, object]:
     lines = prose = 0
     long_docs: list[str] = []
@@ -79,9 +129,11 @@ def static_counts(src: Path) -> dict[str, object]:
         "functions_over_60_lines": len(long_functions),
         "snapshot_classes": len(snapshot_classes),
         "modules_at_import": int(imported.stdout),
+        "import_circles": len(circles := import_circles(src)),
         "long_docstrings": long_docs,
         "long_functions": long_functions,
         "snapshot_class_names": snapshot_classes,
+        "import_circle_modules": circles,
     }
 
 
@@ -144,6 +196,7 @@ def job(run_dir):
     short = lambda files: sorted(f[len(PACKAGE):] for f in files)
     return {"step_cycle_files": step[0], "step_cycle_functions": step[1],
             "snapshot_round_trip_files": len(round_trip.files),
+            "snapshot_round_trip_functions": len(round_trip.functions),
             "step_cycle_file_names": short(step_files),
             "snapshot_round_trip_file_names": short(round_trip.files)} if rank == 0 else None
 

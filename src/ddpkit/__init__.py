@@ -17,8 +17,7 @@ from ddpkit.distributed._collectives import (
     main_first,
 )
 from ddpkit.distributed._groups import split_world
-from ddpkit.distributed._log import get_logger, print0
-from ddpkit.distributed._runtime import Runtime, get_runtime, init, shutdown
+from ddpkit.distributed._runtime import Runtime, get_logger, get_runtime, init, print0, shutdown
 from ddpkit.distributed._seeding import seed_everything
 from ddpkit.distributed._spawn import spawn
 from ddpkit.snapshot._snapshots import Snapshots

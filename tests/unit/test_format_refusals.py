@@ -16,7 +16,7 @@ import torch
 from ddpkit._errors import ConfigError
 from ddpkit.snapshot import _slots as ms
 from ddpkit.snapshot import _slots as mslot
-from ddpkit.snapshot._disk import INDEX, MARKER, SnapshotManager
+from ddpkit.snapshot._disk import INDEX, MARKER, DiskStore
 from tests.unit.snapshot.test_checkpoint import load, reseal, save
 from tests.unit.snapshot.test_memory_snapshots import save as save_slot
 from tests.unit.snapshot.test_memory_snapshots import store
@@ -37,7 +37,7 @@ def _point_marker_at(folder, name: str, size: int = 0) -> None:
     ids=["dotdot-dev-zero", "absolute", "parent", "separator"],
 )
 def test_a_marker_naming_a_file_outside_its_folder_is_refused_by_name(tmp_path, name):
-    ckpt = SnapshotManager(tmp_path, keep_last=3)
+    ckpt = DiskStore(tmp_path, keep_last=3)
     save(ckpt, 3)
     save(ckpt, 6)
     _point_marker_at(tmp_path / "step-00000006", name)
@@ -54,7 +54,7 @@ def test_a_marker_naming_a_file_outside_its_folder_is_refused_by_name(tmp_path, 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("kind", ["link-to-device", "link-inside", "fifo", "folder"])
 def test_a_marker_listing_a_link_a_device_a_fifo_or_a_folder_is_refused_by_name(tmp_path, kind):
-    ckpt = SnapshotManager(tmp_path, keep_last=3)
+    ckpt = DiskStore(tmp_path, keep_last=3)
     save(ckpt, 3)
     save(ckpt, 6)
     folder = tmp_path / "step-00000006"
@@ -74,7 +74,7 @@ def test_a_marker_listing_a_link_a_device_a_fifo_or_a_folder_is_refused_by_name(
 
 
 def test_a_marker_that_is_itself_a_link_to_a_device_is_refused(tmp_path):
-    ckpt = SnapshotManager(tmp_path, keep_last=3)
+    ckpt = DiskStore(tmp_path, keep_last=3)
     save(ckpt, 3)
     save(ckpt, 6)
     marker = tmp_path / "step-00000006" / MARKER
@@ -86,7 +86,7 @@ def test_a_marker_that_is_itself_a_link_to_a_device_is_refused(tmp_path):
 
 
 def test_an_index_not_listed_in_the_marker_is_refused(tmp_path):
-    ckpt = SnapshotManager(tmp_path)
+    ckpt = DiskStore(tmp_path)
     save(ckpt, 3)
     folder = tmp_path / "step-00000003"
     marker = json.loads((folder / MARKER).read_text())
@@ -121,7 +121,7 @@ def test_an_index_not_listed_in_the_marker_is_refused(tmp_path):
 def test_an_index_whose_chunks_do_not_cover_each_tensor_exactly_is_refused_naming_file_and_key(
     tmp_path, chunks, refusal
 ):
-    ckpt = SnapshotManager(tmp_path)
+    ckpt = DiskStore(tmp_path)
     save(ckpt, 3)
     folder = tmp_path / "step-00000003"
     index = json.loads((folder / INDEX).read_text())
@@ -136,7 +136,7 @@ def test_an_index_whose_chunks_do_not_cover_each_tensor_exactly_is_refused_namin
 
 
 def test_a_chunk_that_no_data_file_holds_is_refused(tmp_path):
-    ckpt = SnapshotManager(tmp_path)
+    ckpt = DiskStore(tmp_path)
     save(ckpt, 3)
     folder = tmp_path / "step-00000003"
     index = json.loads((folder / INDEX).read_text())

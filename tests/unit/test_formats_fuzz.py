@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from ddpkit._errors import ConfigError
 from ddpkit.snapshot import _slots as mslot
-from ddpkit.snapshot._disk import INDEX, MARKER, SnapshotManager
+from ddpkit.snapshot._disk import INDEX, MARKER, DiskStore
 from tests.fuzz import examples
 from tests.unit.snapshot.test_checkpoint import reseal, save
 from tests.unit.snapshot.test_memory_snapshots import save as save_slot
@@ -64,7 +64,7 @@ def mutate(data: bytes, mutation: tuple[str, int, int, bytes]) -> bytes:
 def snapshots(tmp_path_factory) -> Path:
     """Two whole snapshots, steps 3 and 6, to copy into each example."""
     folder = tmp_path_factory.mktemp("snapshots")
-    ckpt = SnapshotManager(folder, keep_last=3)
+    ckpt = DiskStore(folder, keep_last=3)
     save(ckpt, 3)
     save(ckpt, 6)
     return folder
@@ -79,7 +79,7 @@ def fresh(snapshots: Path, tmp: Path) -> Path:
 
 def load_latest(folder: Path) -> tuple[int | None, list[str], torch.Tensor | None]:
     """(step loaded, warnings, w) or the refusal raised, from whatever the folder now holds."""
-    ckpt = SnapshotManager(folder)
+    ckpt = DiskStore(folder)
     warnings: list[str] = []
     found = ckpt.latest(warn=warnings.append)
     if found is None:

@@ -249,10 +249,10 @@ def test_a_storage_entry_at_no_chunk_is_refused():
 
 
 def test_a_dcp_index_beyond_its_bound_is_refused_naming_it(tmp_path):
-    from ddpkit.snapshot._disk import SnapshotManager
+    from ddpkit.snapshot._disk import DiskStore
     from tests.unit.snapshot.test_checkpoint import save
 
-    save(SnapshotManager(tmp_path), 3)
+    save(DiskStore(tmp_path), 3)
     folder = tmp_path / "step-00000003"
     os.truncate(folder / folders.INDEX, storage._INDEX_LIMIT + 1)  # sparse: no disk, and never read
     with pytest.raises(
@@ -529,10 +529,10 @@ def test_a_journal_line_nested_too_deep_is_refused_naming_it(tmp_path):
 
 
 def test_an_index_nested_too_deep_is_refused_naming_it(tmp_path):
-    from ddpkit.snapshot._disk import SnapshotManager
+    from ddpkit.snapshot._disk import DiskStore
     from tests.unit.snapshot.test_checkpoint import save
 
-    save(SnapshotManager(tmp_path), 3)
+    save(DiskStore(tmp_path), 3)
     folder = tmp_path / "step-00000003"
     (folder / folders.INDEX).write_text("[" * 200_000)  # a RecursionError in json before
     with pytest.raises(

@@ -13,16 +13,9 @@ import torch.distributed as dist
 
 from ddpkit._errors import checked_arguments
 from ddpkit.distributed import _progress as progress
-from ddpkit.distributed._runtime import Group, get_runtime
+from ddpkit.distributed._runtime import Group, get_runtime, is_live
 
 T = TypeVar("T")
-
-
-def is_live(group: Group = None) -> bool:
-    """True when collectives on ``group`` run: a process group, of which this is a member."""
-    # a rank outside a new_group() holds torch's NON_GROUP_MEMBER sentinel in place of a group
-    non_member: object = dist.GroupMember.NON_GROUP_MEMBER
-    return dist.is_available() and dist.is_initialized() and (group is None or group != non_member)
 
 
 def comm_device(group: Group = None) -> torch.device:

@@ -1,10 +1,13 @@
-"""One call to start, one frozen object that answers "who am I"."""
+"""One call to start, one frozen object that answers "who am I", and printing from the main rank
+only."""
 
 from __future__ import annotations
 
 import atexit
+import builtins
 import contextlib
 import dataclasses
+import logging
 import os
 import sys
 import time
@@ -31,6 +34,13 @@ Group: TypeAlias = dist.ProcessGroup | None
 
 # a hung collective surfaces in minutes, not after torch's 30 (gloo) or 10 (nccl)
 DEFAULT_TIMEOUT = timedelta(minutes=5)
+
+
+def is_live(group: Group = None) -> bool:
+    """True when collectives on ``group`` run: a process group, of which this is a member."""
+    # a rank outside a new_group() holds torch's NON_GROUP_MEMBER sentinel in place of a group
+    non_member: object = dist.GroupMember.NON_GROUP_MEMBER
+    return dist.is_available() and dist.is_initialized() and (group is None or group != non_member)
 
 
 @dataclass(frozen=True)
@@ -350,3 +360,39 @@ def forget_for_recovery() -> None:
         reset_process_groups()
     _runtime = _group_store = _store_of = None
     _generation = 0
+
+
+# -- Printing and logging from the main rank of a group only (the DDP tutorials' ``if rank == 0:
+# print(...)``).
+
+
+def print0(*args: Any, group: Group = None, **kwargs: Any) -> None:
+    """``print`` on rank 0 of ``group`` only."""
+    if get_runtime(group).is_main:
+        kwargs.setdefault("flush", True)
+        builtins.print(*args, **kwargs)
+
+
+@checked_arguments
+def get_logger(
+    name: str = "ddpkit", all_ranks: bool = False, group: Group = None
+) -> logging.Logger:
+    """A logger kept on rank 0 of ``group`` only, unless ``all_ranks`` (records tagged by rank)."""
+    if group is not None and is_live(group):
+        name = f"{name}.group{'-'.join(map(str, dist.get_process_group_ranks(group)))}"
+    logger = logging.getLogger(name if not all_ranks else f"{name}.all_ranks")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        fmt = "[rank %(rank)s] %(message)s" if all_ranks else "%(message)s"
+        handler.setFormatter(logging.Formatter(fmt))
+
+        def tag_rank(record: logging.LogRecord) -> bool:
+            rank = get_runtime(group).rank
+            record.__dict__["rank"] = rank  # read by the format as %(rank)s
+            return all_ranks or rank == 0
+
+        handler.addFilter(tag_rank)
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    return logger

@@ -10,8 +10,8 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # _runtime imports this module
-    from ddpkit.distributed._runtime import Group
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 _pending: signal.Signals | None = None
 
@@ -65,7 +65,9 @@ def pass_on(signum: int) -> None:
         signal.raise_signal(signum)
 
 
-def preemption_notice(launcher: str, group: Group = None) -> Callable[[], str | None] | None:
+def preemption_notice(
+    launcher: str, group: dist.ProcessGroup | None = None
+) -> Callable[[], str | None] | None:
     """Where the launcher warns of a pre-emption by a call (Ray Train 2.60 and newer): a function
     that asks it, returning the notice in words or None; None where there is nothing to ask. The
     call is a barrier across Ray's workers, so a group of :func:`~ddpkit.split_world` never asks."""

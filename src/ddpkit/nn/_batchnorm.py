@@ -14,7 +14,7 @@ from torch import nn
 from ddpkit._errors import checked_arguments
 from ddpkit._internals.modules import BatchNormBase, is_batchnorm
 from ddpkit.distributed import Group
-from ddpkit.distributed._collectives import is_live
+from ddpkit.distributed._runtime import is_live
 
 
 class _AllReduceSum(torch.autograd.Function):

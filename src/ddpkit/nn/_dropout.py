@@ -59,12 +59,13 @@ def batch_layout(layout: BatchLayout) -> Iterator[None]:
 
 
 def step_layout(
-    sampler: ShardedBatchSampler, micro: int, accum: int, seed: int, epoch: int
+    place: tuple[int, int], micro: int, accum: int, seed: int, epoch: int
 ) -> BatchLayout:
-    """This rank's place in the global batch of the optimizer step that global batch ``micro`` of
-    ``epoch`` belongs to, ``accum`` batches a step: keyed by the step, so the masks are the same
-    with or without gradient accumulation."""
-    size, offset = sampler.place_in_step(micro, accum)
+    """This rank's ``place`` in the global batch of the optimizer step that global batch ``micro``
+    of ``epoch`` belongs to, ``accum`` batches a step (the step's samples and this rank's offset
+    among them: :meth:`~ddpkit.data.ShardedBatchSampler.place_in_step`): keyed by the step, so the
+    masks are the same with or without gradient accumulation."""
+    size, offset = place
     return BatchLayout(size, offset, key=stream_seed("dropout", seed, epoch, micro // accum))
 
 
@@ -96,7 +97,8 @@ def global_batch(loader: Any, accum_steps: int = 1) -> Iterator[None]:
             "global_batch(loader): the loader has handed over no batch of this epoch yet: enter "
             "it inside `for batch in loader:`"
         )
-    layout = step_layout(sampler, index, accum_steps, sampler.seed, epoch)
+    place = sampler.place_in_step(index, accum_steps)
+    layout = step_layout(place, index, accum_steps, sampler.seed, epoch)
     start, end = shard_bounds(sampler.samples_in_batch(index), sampler.world_size, sampler.rank)
     with batch_layout(replace(layout, size=end - start)):
         yield

@@ -26,8 +26,7 @@ from ddpkit._errors import ConfigError
 from ddpkit._fs.lock import FolderLock
 from ddpkit.distributed._collectives import all_gather_object, broadcast_object
 from ddpkit.distributed._groups import split_world
-from ddpkit.distributed._log import print0
-from ddpkit.distributed._runtime import Runtime, get_runtime
+from ddpkit.distributed._runtime import Runtime, get_runtime, print0
 from ddpkit.search._config import SearchConfig, to_distributions
 from ddpkit.search._study import (
     Start,

@@ -2,7 +2,7 @@
 store; each module's part: docs/snapshots.md, "How the package is laid out".
 """
 
-from ddpkit.snapshot._disk import SnapshotManager, SnapshotWriteError
+from ddpkit.snapshot._disk import SnapshotWriteError
 from ddpkit.snapshot._state import SnapshotSchedule
 
-__all__ = ["SnapshotManager", "SnapshotSchedule", "SnapshotWriteError"]
+__all__ = ["SnapshotSchedule", "SnapshotWriteError"]

@@ -21,10 +21,10 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -37,15 +37,19 @@ from ddpkit.distributed._collectives import broadcast_object, first_failure, gat
 from ddpkit.snapshot import _codec as codec
 from ddpkit.snapshot import _folders as folders
 from ddpkit.snapshot._folders import INDEX, MARKER, OWN, VALUES, Found, folder_name
-from ddpkit.strategies._base import PER_RANK
-
-if TYPE_CHECKING:
-    from ddpkit.snapshot._snapshots import Resumed, Snapshots
+from ddpkit.snapshot._state import (
+    STREAMS_PART,
+    Check,
+    KeyPath,
+    Parts,
+    Resumed,
+    leaves,
+    nest,
+    set_at,
+)
+from ddpkit.strategies._base import PER_RANK, Strategy
 
 # torch.distributed.checkpoint (and ddpkit.snapshot._dcp) is imported where it is used (sympy)
-STREAMS = "rng"
-"""The part of a snapshot's states that holds each rank's random streams (a RankStreams)."""
-KeyPath = tuple[Any, ...]
 Failed = tuple[str, "int | None", "str | None"]
 """A failed write as every rank learns it: the message, and the OS error's number and file."""
 
@@ -159,32 +163,33 @@ class DiskStore:
     def _size(self) -> int:
         return dist.get_world_size(self.group) if self.distributed else 1
 
-    def save_step(self, snapshots: Snapshots) -> None:
-        sharded, extra, own = snapshots.disk_parts()
+    def save_step(self, parts: Callable[[], Parts]) -> None:
+        """Snapshot the step's ``parts()`` (:meth:`save`): the strategy's state, the other values
+        (rank 0's) and this rank's own streams."""
+        step = parts()
+        strategy = step.strategy
         self.save(
-            snapshots.train.step, sharded, extra, replicated=snapshots.strategy.replicated, own=own
-        )
+            step.step, strategy.state_dict(), step.values, replicated=strategy.replicated,
+            own=step.own,
+        )  # fmt: skip
 
-    def load_step(
-        self, found: Found, snapshots: Snapshots, load: Callable[[dict[str, Any]], None]
-    ) -> Resumed:
-        from ddpkit.snapshot._snapshots import Resumed
-
+    def load_step(self, found: Found, strategy: Strategy, check: Check) -> Resumed:
+        """The state of ``found`` (:meth:`latest`), its tensors read into ``strategy``'s state once
+        ``check`` has accepted its values; each rank's own streams in the streams' part: this
+        rank's at the same world size, every rank's at another."""
         where = str(found.path)
         sharded, extra = self.load(
-            found, snapshots.strategy.state_dict, "cpu", lambda saved: snapshots.check(saved, where)
+            found, strategy.state_dict, "cpu", lambda saved: check(saved, where)
         )
-        streams = extra["states"].get(STREAMS)
-        # this rank's own file at the same world size; every rank's at another
+        streams = extra["states"].get(STREAMS_PART)
         if streams is not None:
-            size, rank = streams["world_size"], snapshots.runtime.rank
-            wanted = [rank] if size == snapshots.runtime.world_size else list(range(size))
+            size = streams["world_size"]
+            wanted = [self._rank] if size == self._size else list(range(size))
             ranks: list[Any] = [None] * size
             for r, own in zip(wanted, self.read_own(found, wanted, map_location="cpu")):
                 ranks[r] = own
             streams["ranks"] = ranks
-        load(extra | {"strategy": sharded})
-        return Resumed(where, found.path.name, disk=True)
+        return Resumed(extra | {"strategy": sharded}, where, found.path.name, disk=True)
 
     def newest_marked(self) -> int:
         """The step of the newest folder with a marker, not verified (-1: none), on every rank."""
@@ -502,10 +507,6 @@ class DiskStore:
         return folders.read_own(found, ranks, map_location)
 
 
-SnapshotManager = DiskStore
-"""The disk store's public name (:mod:`ddpkit.snapshot`)."""
-
-
 @functools.cache
 def quiet_single_process_warning() -> None:
     """Filter DCP's warning that it assumes "the intent is to save in a single process" (a world of
@@ -515,36 +516,6 @@ def quiet_single_process_warning() -> None:
         message="torch.distributed is disabled, unavailable or uninitialized, assuming the intent "
         "is to",
     )
-
-
-def leaves(tree: dict[str, Any], prefix: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
-    """(path, value) of every value of a nested dict that is not itself a dict."""
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            yield from leaves(value, (*prefix, key))
-        else:
-            yield (*prefix, key), value
-
-
-def nest(items: list[tuple[KeyPath, Any]]) -> dict[str, Any]:
-    root: dict[str, Any] = {}
-    for path, value in items:
-        node = root
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        if path[-1] in node:
-            raise ValueError(
-                f"two values are saved as {'.'.join(map(str, path))}: keep a rank's own values out "
-                "of the shared part"
-            )
-        node[path[-1]] = value
-    return root
-
-
-def set_at(tree: dict[str, Any], path: KeyPath, value: Any) -> None:
-    for key in path[:-1]:
-        tree = tree[key]
-    tree[path[-1]] = value
 
 
 def stored_path(path: KeyPath, rank: int) -> KeyPath:

@@ -263,7 +263,7 @@ def prune(folder_path: Path, keep_last: int, newest: int) -> None:
 VALUES = "values.pt"
 """The file of a state's values other than DCP's tensors (every rank's, and rank 0's ``extra``)."""
 OWN = "rank{}.pt"
-"""The file of one rank's own values (``SnapshotManager.save``'s ``own``), by rank."""
+"""The file of one rank's own values (``DiskStore.save``'s ``own``), by rank."""
 INDEX = "metadata.json"
 """DCP's index of a snapshot, as JSON (:mod:`ddpkit.snapshot._dcp` writes and reads it)."""
 

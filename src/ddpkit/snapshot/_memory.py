@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,12 +28,20 @@ from ddpkit.distributed._collectives import (
     tensor_bytes,
 )
 from ddpkit.distributed._environment import read_launch_env
-from ddpkit.distributed._runtime import DEFAULT_TIMEOUT
+from ddpkit.distributed._runtime import DEFAULT_TIMEOUT, Runtime
 from ddpkit.snapshot import _codec as codec
 from ddpkit.snapshot import _slots as slots_lib
-from ddpkit.snapshot._disk import STREAMS, KeyPath, leaves, set_at
-from ddpkit.snapshot._snapshots import Damaged, Resumed, Snapshots
-from ddpkit.strategies._base import PER_RANK
+from ddpkit.snapshot._state import (
+    STREAMS_PART,
+    Check,
+    Damaged,
+    KeyPath,
+    Parts,
+    Resumed,
+    leaves,
+    set_at,
+)
+from ddpkit.strategies._base import PER_RANK, Strategy
 from ddpkit.strategies._prepare import unwrap
 
 STALL_BUDGET = 0.05
@@ -56,16 +65,18 @@ def _warn(message: str) -> None:
     print(f"ddpkit: {message}", file=sys.stderr, flush=True)
 
 
-def open_memory(snapshots: Snapshots, every_steps: int | None) -> MemoryStore | None:
-    """The memory store of ``snapshots`` when the agent of ``ddpkit run`` made the job a memory
-    folder on every node, else None, with one line saying why; collective (one all-reduce).
+def open_memory(
+    run_dir: Path, runtime: Runtime, strategy: Strategy, every_steps: int | None
+) -> MemoryStore | None:
+    """The memory store of the run in ``run_dir`` when the agent of ``ddpkit run`` made the job a
+    memory folder on every node, else None, with one line saying why; collective (one all-reduce).
     ``every_steps``: a copy every N steps; None: chosen (:meth:`MemoryStore._choose_interval`)."""
-    rt = snapshots.runtime
+    rt = runtime
     folder, job = slots_lib.memory_folder()
     why, slots = job, None
     if folder is not None:
         try:
-            run = slots_lib.run_key(snapshots.run_dir)
+            run = slots_lib.run_key(run_dir)
             slots = slots_lib.Slots(
                 folder, job=job, run=run, rank=rt.rank, world_size=rt.world_size
             )
@@ -79,13 +90,13 @@ def open_memory(snapshots: Snapshots, every_steps: int | None) -> MemoryStore | 
             _warn(f"snapshots in memory are off (rank {rt.rank}: {reason}); disk snapshots only")
         return None
     if rt.local_rank == 0:
-        model = snapshots.strategy.model
+        model = strategy.model
         need = 2 * rt.local_world_size * sum(local(p).nbytes for p in model.parameters())
         if warning := slots_lib.room_warning(slots.folder, need):
             _warn(warning)
     group = _gloo_group(rt.group) if rt.distributed else None
-    peers = snapshots.strategy.name == "ddp" and rt.world_size > rt.local_world_size
-    return MemoryStore(snapshots.schedule, slots, every_steps=every_steps, peers=peers, group=group)
+    peers = strategy.name == "ddp" and rt.world_size > rt.local_world_size
+    return MemoryStore(slots, every_steps=every_steps, peers=peers, group=group)
 
 
 def _gloo_group(group: Group) -> Any:
@@ -94,6 +105,16 @@ def _gloo_group(group: Group) -> Any:
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     timeout = timedelta(seconds=seconds) if seconds else DEFAULT_TIMEOUT
     return dist.new_group(ranks, backend="gloo", use_local_synchronization=True, timeout=timeout)
+
+
+@dataclass(frozen=True)
+class Interval:
+    """The interval of the copies, once chosen: every ``every_steps`` steps, for a copy's median
+    stall and a step's median time (ms)."""
+
+    every_steps: int
+    stall_ms: float
+    step_ms: float
 
 
 @dataclass(frozen=True)
@@ -133,16 +154,9 @@ class MemoryStore:
     own part in every rank's slot."""
 
     def __init__(
-        self,
-        schedule: Any,
-        slots: slots_lib.Slots,
-        *,
-        every_steps: int | None,
-        peers: bool,
-        group: Group,
+        self, slots: slots_lib.Slots, *, every_steps: int | None, peers: bool, group: Group
     ) -> None:
-        self.schedule, self.slots, self.peers, self.group = schedule, slots, peers, group
-        schedule.memory_every_steps = every_steps or 1
+        self.slots, self.peers, self.group = slots, peers, group
         self._tuned = every_steps is not None
         self._starts: list[float] = []  # perf_counter at each save, until the interval is chosen
         self._calls = 0
@@ -159,27 +173,30 @@ class MemoryStore:
         self.stalls: list[float] = []
         """Seconds each save held the training loop."""
 
-    def save_step(self, snapshots: Snapshots) -> None:
-        """Copy this step's state into the older slot; every rank calls it after the same steps
-        (collective with peers, and when the interval is chosen). Memory full: one warning, and the
-        copies stop on this rank (with peers, on every rank). A value the codec cannot hold raises
-        before the slot is touched."""
+    def save_step(self, parts: Callable[[], Parts]) -> Interval | None:
+        """Copy the step's ``parts()`` into the older slot (read only while the copies go on, and
+        timed with the copy); every rank calls it after the same steps (collective with peers, and
+        when the interval is chosen). Memory full: one warning, and the copies stop on this rank
+        (with peers, on every rank). A value the codec cannot hold raises before the slot is
+        touched. Returns the interval once it is chosen (with ``every_steps`` None), after
+        :data:`TUNE_AFTER` copies."""
         self._calls += 1
         if self._leave_next:
             self._leave_next = False
             self._gather_peers(None)
         elif self.enabled:
-            self._save_timed(snapshots)
+            self._save_timed(parts)
         if not self._tuned and self._calls == TUNE_AFTER:
-            self._choose_interval(snapshots)
+            return self._choose_interval()
+        return None
 
-    def _save_timed(self, snapshots: Snapshots) -> None:
+    def _save_timed(self, parts: Callable[[], Parts]) -> None:
         t0 = time.perf_counter()
         if not self._tuned:
             self._starts.append(t0)
         self._gathered = False
         try:
-            self._save(snapshots)
+            self._save(parts)
         except (slots_lib.MemoryUnavailable, PeerStopped) as err:
             self.enabled = False
             _warn(f"snapshots in memory stop on rank {self.rank} ({err}); disk snapshots go on")
@@ -190,7 +207,7 @@ class MemoryStore:
                     self._gather_peers(None)
         self.stalls.append(time.perf_counter() - t0)
 
-    def _choose_interval(self, snapshots: Snapshots) -> None:
+    def _choose_interval(self) -> Interval:
         """Every ``N`` steps, the smallest ``N`` whose stall stays within :data:`STALL_BUDGET` of a
         step (the first two saves, which map the slots, left out); the largest over the ranks."""
         self._tuned = True
@@ -203,21 +220,19 @@ class MemoryStore:
         step = max(gaps[len(gaps) // 2], 1e-9) if gaps else 1.0
         wanted = max(1, math.ceil(stall / (STALL_BUDGET * step)))
         wanted = int(all_reduce(wanted, op="max", group=self.group))
-        self.schedule.memory_every_steps = wanted
-        record = {"event": "memory_snapshots", "every_steps": wanted}
-        record |= {"stall_ms": round(1e3 * stall, 3), "step_ms": round(1e3 * step, 3)}
-        snapshots.log("event", snapshots.train.step, record)
+        return Interval(wanted, round(1e3 * stall, 3), round(1e3 * step, 3))
 
-    def _save(self, snapshots: Snapshots) -> None:
-        position = snapshots.position()
-        plan = self._current_plan(snapshots)
-        groups = snapshots.strategy.optimizer.param_groups
+    def _save(self, parts: Callable[[], Parts]) -> None:
+        step = parts()
+        position, values = step.position, step.values
+        plan = self._current_plan(step.strategy)
+        groups = step.strategy.optimizer.param_groups
         dynamic = {
-            "states": {n: p.state_dict() for n, p in snapshots.states.items() if n != STREAMS},
+            "states": values["states"],
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups],
             "strategy_values": [[list(p), v] for p, v in plan.values],
-            "own": snapshots.streams.mine(),
-            "global_micro_batch": snapshots.global_micro_batch,
+            "own": step.own,
+            "global_micro_batch": values["global_micro_batch"],
         }
         extra: list[torch.Tensor] = []
         skeleton = codec.encode(dynamic, extra)
@@ -232,7 +247,7 @@ class MemoryStore:
         if key != self._layout or self._manifest is None:
             specs, size = codec.layout(tensors)
             if self._check is None:  # what a resume checks before it loads, as a disk's record
-                self._check = codec.encode(snapshots.record.state_dict(), [])
+                self._check = codec.encode(values["record"], [])
             self._layout, self._manifest = (
                 key,
                 {
@@ -244,14 +259,13 @@ class MemoryStore:
                     "check": self._check,
                 },
             )
-        values = {"step": position[1], "position": list(position), "peers": self.peers}
-        self.slots.save(values | {"values": skeleton}, tensors, self._manifest, key)
+        slot = {"step": position[1], "position": list(position), "peers": self.peers}
+        self.slots.save(slot | {"values": skeleton}, tensors, self._manifest, key)
 
-    def _current_plan(self, snapshots: Snapshots) -> _Plan:
+    def _current_plan(self, strategy: Strategy) -> _Plan:
         plan = self._plan
         if plan is not None and plan.reusable and plan.signature == plan.watch.signature():
             return plan
-        strategy = snapshots.strategy
         state = strategy.state_dict()
         watch = _Watch(strategy)
         storages = {local(t).untyped_storage().data_ptr() for t in watch.live()}
@@ -332,18 +346,19 @@ class MemoryStore:
             warn(f"ddpkit: skipping damaged snapshots in memory: {'; '.join(damaged)}")
         return choose(offers)
 
-    def load_step(
-        self, choice: Choice, snapshots: Snapshots, load: Callable[[dict[str, Any]], None]
-    ) -> Resumed:
-        """Put the state at ``choice`` into ``snapshots``' parts through ``load``, on every rank or
-        none: :class:`Damaged` (every rank) when a rank found its copy damaged; a refusal of
-        :meth:`Snapshots.check` on every rank."""
-        got, problems = self._read_everywhere(choice, snapshots)
+    def load_step(self, choice: Choice, strategy: Strategy, check: Check) -> Resumed:
+        """The state at ``choice``, its tensors copied into ``strategy``'s, on every rank or none:
+        :class:`~ddpkit.snapshot._state.Damaged` (every rank) when a rank found its copy damaged; a
+        refusal of ``check`` on every rank."""
+        got, problems = self._read_everywhere(choice, strategy, check)
         if got is None or problems:
             self._skipped.add(choice.position)
             raise Damaged("; ".join(problems))
         saved, dynamic, own = got
-        state = snapshots.strategy.state_dict()
+        # The saved hyper-parameters (a scheduler's lr) first: the state read next holds them.
+        for group, values in zip(strategy.optimizer.param_groups, dynamic["param_groups"]):
+            group.update(values)
+        state = strategy.state_dict()
         for path, value in leaves(state):
             if isinstance(value, torch.Tensor):
                 with torch.no_grad():
@@ -352,20 +367,17 @@ class MemoryStore:
             set_at(state, path, value)
         ranks: list[Any] = [None] * self.world_size
         ranks[self.rank] = own  # the streams read only this rank's entry at the same world size
-        streams = {STREAMS: {"world_size": self.world_size, "ranks": ranks}}
-        load({
-            "strategy": state,
-            "states": dynamic["states"] | streams,
-            "global_micro_batch": dynamic["global_micro_batch"],
-        })  # fmt: skip
-        groups = snapshots.strategy.optimizer.param_groups
-        for group, values in zip(groups, dynamic["param_groups"]):
-            group.update(values)  # the saved hyper-parameters (a scheduler's lr)
+        streams = {STREAMS_PART: {"world_size": self.world_size, "ranks": ranks}}
         self.forget(keep=choice)
         donor = ""
         if choice.donor is not None:
             donor = f" (ranks {list(choice.needy)} from rank {choice.donor})"
-        return Resumed(f"memory{donor}", f"memory{donor}", disk=False)
+        loaded = {
+            "strategy": state,
+            "states": dynamic["states"] | streams,
+            "global_micro_batch": dynamic["global_micro_batch"],
+        }
+        return Resumed(loaded, f"memory{donor}", f"memory{donor}", disk=False)
 
     def forget(self, keep: Choice | None = None) -> None:
         """Only the state resumed from (none after a resume from disk) may be found again: a later
@@ -378,13 +390,13 @@ class MemoryStore:
         self.slots.discard_except(path)
 
     def _read_everywhere(
-        self, choice: Choice, snapshots: Snapshots
+        self, choice: Choice, strategy: Strategy, check: Check
     ) -> tuple[tuple[Any, Any, Any] | None, list[str]]:
         """This rank's read of ``choice`` and what every rank found wrong with its own (collective:
         all take the state or none does). A refusal (another run) is raised on every rank."""
         got, problem = None, None
         try:
-            got = self._read(choice, snapshots)
+            got = self._read(choice, strategy, check)
         except slots_lib.BadSlot as err:
             problem = ("damaged", f"rank {self.rank}: {err}")
         except ConfigError as err:
@@ -399,7 +411,7 @@ class MemoryStore:
                 raise RuntimeError(text)
         return got, [text for _, text in filter(None, problems)]
 
-    def _read(self, choice: Choice, snapshots: Snapshots) -> tuple[Any, Any, Any]:
+    def _read(self, choice: Choice, strategy: Strategy, check: Check) -> tuple[Any, Any, Any]:
         """The state at ``choice``, from this rank's slot or the donor's (collective when there is a
         donor), checked before anything is put into the run; ``BadSlot`` naming the slot if not."""
         found = {(f.rank, f.position): f for f in self.slots.found()}
@@ -420,7 +432,7 @@ class MemoryStore:
                 f"the state in memory at step {choice.step} changed while it was read ({name})"
             )
         try:
-            return self._checked(snapshots, *got, from_peer=mine is None)
+            return self._checked(strategy, check, *got, from_peer=mine is None)
         except slots_lib.BadSlot as err:
             raise slots_lib.BadSlot(f"{name}: {err}") from None
         except ConfigError:  # another config or model: refused as a disk snapshot is, not skipped
@@ -444,7 +456,8 @@ class MemoryStore:
 
     def _checked(
         self,
-        snapshots: Snapshots,
+        strategy: Strategy,
+        check: Check,
         record: slots_lib.Record,
         manifest: dict,
         values: dict,
@@ -453,7 +466,7 @@ class MemoryStore:
         from_peer: bool,
     ) -> tuple[dict[KeyPath, torch.Tensor], dict[str, Any], Any]:
         """The slot's tensors by path, its values and this rank's own part, checked against the run
-        (:meth:`Snapshots.check`) and the strategy's state (every tensor, its shape and dtype)."""
+        (``check``) and the strategy's state (every tensor, its shape and dtype)."""
         if values.get("run") != self.slots.run or values.get("world_size") != self.world_size:
             raise RuntimeError("ddpkit: a memory snapshot of another run was offered; refusing it")
         tensors = slots_lib.tensors_of(data, record, manifest)
@@ -466,15 +479,21 @@ class MemoryStore:
         dynamic = codec.decode(values["values"], tensors[n_plan:])
         if not isinstance(dynamic["states"], dict):
             raise slots_lib.BadSlot("its values are not the states a save writes")
-        check = {"record": codec.decode(manifest["check"], []), "states": dynamic["states"]}
-        check["global_micro_batch"] = dynamic["global_micro_batch"]
-        snapshots.check(check, "the snapshot in memory")
-        _check_values(dynamic, len(snapshots.strategy.optimizer.param_groups))
+        record_state = codec.decode(manifest["check"], [])
+        check(
+            {
+                "record": record_state,
+                "states": dynamic["states"],
+                "global_micro_batch": dynamic["global_micro_batch"],
+            },
+            "the snapshot in memory",
+        )
+        _check_values(dynamic, len(strategy.optimizer.param_groups))
         own = dynamic["own"]
         if from_peer:  # this rank's own part, from the donor's gathered rows
             own = self._own_row(tensors[-1], saved)
         plain = set()
-        for path, value in leaves(snapshots.strategy.state_dict()):
+        for path, value in leaves(strategy.state_dict()):
             if not isinstance(value, torch.Tensor):
                 plain.add(path)
                 continue

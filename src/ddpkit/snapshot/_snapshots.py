@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -23,19 +23,23 @@ from ddpkit.distributed import _lifetime as lifetime
 from ddpkit.distributed import _signals as signals
 from ddpkit.distributed._channels import recovers_in_place
 from ddpkit.distributed._collectives import all_reduce
-from ddpkit.distributed._log import print0
-from ddpkit.distributed._runtime import Runtime, get_runtime
-from ddpkit.snapshot._disk import STREAMS, DiskStore
+from ddpkit.distributed._runtime import Runtime, get_runtime, print0
+from ddpkit.snapshot._disk import DiskStore
 from ddpkit.snapshot._folders import folder_name
-from ddpkit.snapshot._run_dir import claim
-from ddpkit.snapshot._run_record import RunRecord
+from ddpkit.snapshot._run_dir import RunRecord, claim
 from ddpkit.snapshot._state import (
+    STREAMS_PART,
+    Check,
+    Damaged,
     NewRankState,
+    Parts,
     RankStreams,
+    Resumed,
     SnapshotConfig,
     SnapshotSchedule,
     TrainState,
 )
+from ddpkit.strategies._base import Strategy
 from ddpkit.strategies._prepare import LoopModel, unwrap
 
 if TYPE_CHECKING:  # the memory store is imported when a run asks for it
@@ -47,35 +51,23 @@ ABANDON_WAIT = 5.0  # seconds a failed run's snapshot write in flight is waited 
 """Parts a snapshot of an earlier version may lack: the run goes on without restoring them."""
 
 
-@dataclass(frozen=True)
-class Resumed:
-    """Where a resume took the run's state from: ``source`` as said to the user, ``file`` as the
-    ``resume`` event names it, and whether it was read from ``disk`` (or from memory)."""
-
-    source: str
-    file: str
-    disk: bool
-
-
-class Damaged(RuntimeError):
-    """A state that some rank found damaged on reading it: every rank passes over it."""
-
-
 class Store(Protocol):
-    """What the front door asks of a store of snapshots (the disk's, the memory's); every rank calls
-    every method after the same steps."""
+    """What the front door asks of a store of snapshots (the disk's, the memory's): it hands a
+    store the state to keep (:class:`~ddpkit.snapshot._state.Parts`) and, to read one back, the
+    strategy to read it into and the check it must pass. Every rank calls every method after the
+    same steps."""
 
-    def save_step(self, snapshots: Snapshots) -> None:
-        """Keep the state of ``snapshots``' parts at its step."""
+    def save_step(self, parts: Callable[[], Parts]) -> Any:
+        """Keep the step's state, which ``parts()`` gives when the store copies it."""
 
     def latest(self, warn: Callable[[str], None]) -> Any:
         """The newest whole state every rank can take, the same on every rank, or None; damaged ones
         are named through ``warn`` and passed over."""
 
-    def load_step(self, found: Any, snapshots: Snapshots, load: Load) -> Resumed:
-        """Put the state ``found`` into ``snapshots``' parts through ``load``, once
-        ``snapshots.check`` has accepted it, before any tensor is read; :class:`Damaged` on every
-        rank, with nothing loaded, when a rank finds it damaged."""
+    def load_step(self, found: Any, strategy: Strategy, check: Check) -> Resumed:
+        """The state ``found``, read once ``check`` has accepted it (before any tensor is read),
+        its tensors into ``strategy``'s state; :class:`~ddpkit.snapshot._state.Damaged` on every
+        rank, with nothing read into the strategy, when a rank finds it damaged."""
 
     def wait(self) -> None:
         """Until the state last saved is whole in the store."""
@@ -144,12 +136,12 @@ class Snapshots:
         generator = getattr(loader, "generator", None) or torch.Generator()
         if seed is None:
             seed = getattr(loader.batch_sampler, "seed", 0) if loader is not None else 0
-        states[STREAMS] = RankStreams(
+        states[STREAMS_PART] = RankStreams(
             rt, generator, seed, train, own=_listed_map(own, "own"),
             new_rank_state=new_rank_state, warn=lambda line: print0(line, group=rt.group),
         )  # fmt: skip
         bare = strategy.bare if isinstance(strategy, LoopModel) else unwrap(strategy.model)
-        record = RunRecord.of_loop([n for n in states if n != STREAMS], list(own or {}), bare)
+        record = RunRecord.of_loop([n for n in states if n != STREAMS_PART], list(own or {}), bare)
         # One job at a time on a run directory, whichever front door writes it (the Trainer's
         # fit() takes the same lock): a second would resume from and prune this one's snapshots.
         self._lock = claim(run_dir, is_main=rt.is_main, fresh=False, group=rt.group)
@@ -166,19 +158,27 @@ class Snapshots:
         runtime: Runtime,
         strategy: Any,
         states: Mapping[str, Any],
+        own: Mapping[str, Any],
+        generator: torch.Generator,
+        seed: int,
+        new_rank_state: NewRankState,
         record: RunRecord,
         global_micro_batch: int,
         log: Callable[[str, int, dict[str, Any]], None],
-        print0: Callable[[str], None],
     ) -> Snapshots:
-        """The Trainer's: ``states``, its parts by name (``"train"`` first, ``"rng"`` among them,
-        None where it has none); ``log(kind, step, record)`` writes a record."""
+        """The Trainer's: ``states``, its parts by name (``"train"`` first, None where it has
+        none), and the streams' part (``"rng"``, last) with ``own``, the parts each rank keeps its
+        own of, as :class:`Snapshots`' ``own`` (``generator``: the loader's; ``seed``: what the
+        streams are reseeded from at another world size); ``log(kind, step, record)`` writes a
+        record."""
         self = cls.__new__(cls)
         self.loader, self._lock = None, None  # fit() holds the run directory
         parts = {k: v for k, v in states.items() if v is not None}
-        self._open(
-            run_dir, config, runtime, strategy, parts, record, global_micro_batch, log, print0
-        )
+        parts[STREAMS_PART] = RankStreams(
+            runtime, generator, seed, parts["train"], own=own, new_rank_state=new_rank_state,
+            warn=lambda line: print0(line, group=runtime.group),
+        )  # fmt: skip
+        self._open(run_dir, config, runtime, strategy, parts, record, global_micro_batch, log)
         return self
 
     def _open(
@@ -197,7 +197,7 @@ class Snapshots:
         self.states = states
         """The parts besides the strategy, by name: ``"train"`` first, ``"rng"`` (the streams)."""
         self.train: TrainState = states["train"]
-        self.streams: RankStreams = states[STREAMS]
+        self.streams: RankStreams = states[STREAMS_PART]
         self.global_micro_batch = global_micro_batch
         self.log = log or (lambda kind, step, record: None)
         self._warn = warn or (lambda line: print0(line, group=runtime.group))
@@ -219,7 +219,7 @@ class Snapshots:
         if config.memory:  # a restart resumes from them even under resume=False: see Trainer.fit
             from ddpkit.snapshot._memory import open_memory
 
-            self.memory = open_memory(self, config.memory_every_steps)
+            self.memory = open_memory(run_dir, runtime, strategy, config.memory_every_steps)
         elif recovers_in_place():
             raise ConfigError(
                 "ddpkit run --recover in-place resumes every rank from the copies in memory, and "
@@ -279,7 +279,7 @@ class Snapshots:
             step = self.train.step
             event = {"event": "snapshot", "file": folder_name(step), "async": self.disk.async_write}
             self.log("event", step, event)
-            self.disk.save_step(self)
+            self.disk.save_step(self.parts)
         if wait:
             self.disk.wait()
 
@@ -288,9 +288,13 @@ class Snapshots:
         return self.memory is not None and self.schedule.in_memory(step, taken)
 
     def save_in_memory(self) -> None:
-        """The copy in memory (every rank), when :meth:`in_memory_due` says so."""
+        """The copy in memory (every rank), when :meth:`in_memory_due` says so; the copies' interval
+        once the store has chosen it."""
         assert self.memory is not None
-        self.memory.save_step(self)
+        chosen = self.memory.save_step(self.parts)
+        if chosen is not None:
+            self.schedule.memory_every_steps = chosen.every_steps
+            self.log("event", self.train.step, {"event": "memory_snapshots", **asdict(chosen)})
 
     def wait(self) -> None:
         """Block until the snapshot being written in the background (if any) is whole on disk."""
@@ -345,25 +349,27 @@ class Snapshots:
     def _on_signal(self, signum: int) -> None:
         self._signal = signum  # only a flag: the next agreement spreads it
 
-    def state_dict(self, streams: bool = True) -> dict[str, Any]:
-        """Everything the next step needs; collective, as every rank's streams are gathered.
-        ``streams=False``: each rank's streams left out (``"rng"`` holds the world size alone), with
-        no collective: a disk snapshot has each rank write its own."""
-        states = {n: p.state_dict() for n, p in self.states.items() if streams or n != STREAMS}
-        if not streams:
-            states[STREAMS] = {"world_size": self.runtime.world_size}
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the next step needs; collective, as every rank's streams are gathered."""
         return {
             "strategy": self.strategy.state_dict(),
-            "states": states,
+            "states": {n: p.state_dict() for n, p in self.states.items()},
             "record": self.record.state_dict(),
             "global_micro_batch": self.global_micro_batch,
         }
 
-    def disk_parts(self) -> tuple[dict[str, Any], dict[str, Any], Any]:
-        """What a disk snapshot writes (no collective): the strategy's state, the rest (rank 0's
-        ``values.pt``), and this rank's own streams."""
-        state = self.state_dict(streams=False)
-        return state.pop("strategy"), state, self.streams.mine()
+    def parts(self) -> Parts:
+        """This step's state as a store keeps it (no collective): each rank's own streams apart,
+        the streams' part holding the world size alone."""
+        position = self.position()
+        states = {n: p.state_dict() for n, p in self.states.items() if n != STREAMS_PART}
+        states[STREAMS_PART] = {"world_size": self.runtime.world_size}
+        values = {
+            "states": states,
+            "record": self.record.state_dict(),
+            "global_micro_batch": self.global_micro_batch,
+        }
+        return Parts(position, self.strategy, values, self.streams.mine())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output, its ``strategy`` part already loaded for this world
@@ -446,7 +452,7 @@ class Snapshots:
         """The one place a resume chooses its store (collective): the newest state in memory when it
         is newer than the disk's newest whole snapshot, else that snapshot."""
         disk, memory, warn = self.disk, self.memory, self._warn
-        found, verified, marked = None, False, None
+        found, verified, marked, got = None, False, None, None
         while memory is not None:
             held = memory.latest(warn)
             if held is None:
@@ -457,17 +463,23 @@ class Snapshots:
             if found is not None and held.step <= found.step:
                 break
             try:
-                return memory.load_step(held, self, load)
+                got = memory.load_step(held, self.strategy, self.check)
+                break
             except Damaged as err:
                 warn(
                     f"ddpkit: skipping the snapshot in memory at step {held.step}: {err}; trying "
                     "the one before it, in memory or on disk"
                 )
-        if memory is not None:
-            memory.forget()
-        if not verified:
-            found = disk.latest(warn)
-        return None if found is None else disk.load_step(found, self, load)
+        if got is None:
+            if memory is not None:
+                memory.forget()
+            if not verified:
+                found = disk.latest(warn)
+            if found is None:
+                return None
+            got = disk.load_step(found, self.strategy, self.check)
+        load(got.state)
+        return got
 
     def _warn_precision_change(self, old: str, new: str) -> None:
         scaler = "fresh" if new == "fp16" else "dropped" if old == "fp16" else None

@@ -1,11 +1,13 @@
 """Where training stands, and when a snapshot of it is due: the counters (:class:`TrainState`),
-every rank's own state (:class:`RankStreams`), the snapshot settings (:class:`SnapshotConfig`) and
-every decision "is a snapshot due now?" (:class:`SnapshotSchedule`).
+every rank's own state (:class:`RankStreams`), the snapshot settings (:class:`SnapshotConfig`),
+every decision "is a snapshot due now?" (:class:`SnapshotSchedule`), and the state as the front door
+hands it to a store and a store hands it back (:class:`Parts`, :class:`Resumed`), with the tree
+helpers both stores walk it with.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
@@ -16,6 +18,7 @@ from ddpkit.distributed._collectives import all_gather_object
 from ddpkit.distributed._runtime import Runtime
 from ddpkit.distributed._seeding import rng_state, set_rng_state, stream_seed
 from ddpkit.snapshot import _codec as codec
+from ddpkit.strategies._base import Strategy
 
 NewRankState = Literal["refuse", "copy", "fresh"]
 """What a rank beyond a snapshot's world size gets of a part each rank keeps its own of."""
@@ -269,3 +272,91 @@ class SnapshotSchedule:
     def written(self, position: tuple[int, int, int]) -> None:
         """``position`` is on disk (saved, or the snapshot a run resumed from)."""
         self.saved_at, self.notice = position, None
+
+
+# -- What passes between the front door and its stores.
+
+STREAMS_PART = "rng"
+"""The part of a snapshot's states that holds each rank's random streams (a :class:`RankStreams`):
+a store keeps each rank's own (:attr:`Parts.own`) and gives them back under this name."""
+
+
+@dataclass(frozen=True)
+class Parts:
+    """A step's state as the front door hands it to a store: built on each rank with no
+    collective, the same on every rank but the strategy's own parts and :attr:`own`."""
+
+    position: tuple[int, int, int]
+    """(epoch, step, cursor) of the state."""
+    strategy: Strategy
+    """The model and optimizer (a hand loop's :class:`~ddpkit.strategies._prepare.LoopModel`
+    too): a store reads its ``state_dict()`` (tensors by name, DTensor shards, each rank's own
+    values under ``per_rank``) and, to copy it again cheaply, its ``model`` and ``optimizer``."""
+    values: dict[str, Any]
+    """The rest, rank 0's kept: ``states`` (each part's ``state_dict()``; under
+    :data:`STREAMS_PART`, the world size alone), ``record`` (the run's) and
+    ``global_micro_batch``."""
+    own: Any
+    """This rank's own streams and parts (:meth:`RankStreams.mine`)."""
+
+    @property
+    def step(self) -> int:
+        return self.position[1]
+
+
+Check = Callable[[Mapping[str, Any], str], None]
+"""What a store runs on a state it found, before any tensor is read: ``check(saved, where)``, where
+``saved`` holds the snapshot's ``record``, ``states`` and ``global_micro_batch`` and ``where`` names
+the snapshot; it raises to refuse the state."""
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """A state a store read back: ``state`` as :meth:`~ddpkit.Snapshots.load_state_dict` takes it,
+    ``source`` as said to the user, ``file`` as the ``resume`` event names it, and whether it was
+    read from ``disk`` (or from memory)."""
+
+    state: dict[str, Any]
+    source: str
+    file: str
+    disk: bool
+
+
+class Damaged(RuntimeError):
+    """A state that some rank found damaged on reading it: every rank passes over it."""
+
+
+KeyPath = tuple[Any, ...]
+"""Where a value sits in a nested state dict: its keys from the top."""
+
+
+def leaves(tree: dict[str, Any], prefix: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
+    """(path, value) of every value of a nested dict that is not itself a dict."""
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from leaves(value, (*prefix, key))
+        else:
+            yield (*prefix, key), value
+
+
+def nest(items: list[tuple[KeyPath, Any]]) -> dict[str, Any]:
+    """The nested dict whose :func:`leaves` are ``items``."""
+    root: dict[str, Any] = {}
+    for path, value in items:
+        node = root
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        if path[-1] in node:
+            raise ValueError(
+                f"two values are saved as {'.'.join(map(str, path))}: keep a rank's own values out "
+                "of the shared part"
+            )
+        node[path[-1]] = value
+    return root
+
+
+def set_at(tree: dict[str, Any], path: KeyPath, value: Any) -> None:
+    """Put ``value`` at ``path`` of ``tree``, whose dicts down to it exist."""
+    for key in path[:-1]:
+        tree = tree[key]
+    tree[path[-1]] = value

@@ -69,7 +69,7 @@ class Strategy(Protocol):
         that has run out of data shadows the others' collectives until all are done."""
 
     def state_dict(self) -> dict[str, Any]:
-        """Model and optimizer state for :class:`~ddpkit.snapshot.SnapshotManager`: tensors
+        """Model and optimizer state for a snapshot (:mod:`ddpkit.snapshot`): tensors
         may be shards (DTensors), so every rank saves its own part and a load reshards. Values that
         have one name on every rank but may differ between ranks (buffers: BatchNorm's running
         statistics) go in the ``per_rank`` part (:data:`PER_RANK`), as

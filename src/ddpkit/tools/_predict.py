@@ -10,12 +10,9 @@ import random
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from ddpkit.tools._bench import BenchConfig
 
 MS = 1e3
 MIB = 1 << 20
@@ -207,6 +204,20 @@ def link_for(
     return ring, nodes
 
 
+class Asked(Protocol):
+    """What the predictions read of ``ddpkit bench``'s options (its ``BenchConfig``)."""
+
+    predict_sizes: tuple[int, ...]
+    gpus_per_node: int
+    intra: str
+    """``"measured"`` or a name of :data:`PRESETS`: the link within a node."""
+    interconnect: str
+    """A name of :data:`PRESETS`: the link between nodes."""
+
+    def inter_link(self) -> Interconnect:
+        """The link between nodes, with the bandwidth and latency given in its place."""
+
+
 def compute_seconds(scaling: dict[int, dict[str, Any]]) -> float:
     """One rank's step less the wait at its backward's end (backward less no_sync backward)."""
     one = scaling[1]["parts"]
@@ -214,7 +225,7 @@ def compute_seconds(scaling: dict[int, dict[str, Any]]) -> float:
 
 
 def predictions(
-    cfg: BenchConfig,
+    cfg: Asked,
     scaling: dict[int, dict[str, Any]],
     fits: dict[int, AllReduceFit],
     one_rank_allreduce: dict[int, float],
@@ -292,7 +303,7 @@ def _here(
 
 
 def _larger(
-    cfg: BenchConfig,
+    cfg: Asked,
     intra: Interconnect,
     compute: float,
     model: Callable[..., dict[str, Any]],
@@ -319,9 +330,7 @@ def _larger(
     return larger
 
 
-def assumptions(
-    cfg: BenchConfig, scaling: dict[int, dict[str, Any]], pred: dict[str, Any]
-) -> list[str]:
+def assumptions(cfg: Asked, scaling: dict[int, dict[str, Any]], pred: dict[str, Any]) -> list[str]:
     on_cpu = scaling[1]["device"] == "cpu"
     inter = cfg.inter_link()
     buckets = pred["buckets_bytes"]

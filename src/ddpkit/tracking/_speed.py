@@ -35,8 +35,9 @@ SLOW_SHARE = 0.05
 class StepTimings:
     """This rank's phase times since the last window's end.
 
-    The Trainer calls :meth:`start_step`, :meth:`before_optimizer`, :meth:`after_optimizer` around
-    each step, :meth:`data` for each batch it takes, and wraps snapshot work in :meth:`phase`.
+    The step's observer (:class:`~ddpkit.training._step.StepObserver`) calls :meth:`start_step`,
+    :meth:`before_optimizer`, :meth:`after_optimizer` around each step, :meth:`data` for each batch
+    it takes, and wraps snapshot work in :meth:`phase`.
     A step of several optimizers marks each optimizer step the same way, and each synchronising
     backward's end (:meth:`backward_returned`), until :meth:`end_step`. Disabled, every call is a
     no-op. ``compiled``: DDP's buffer broadcast stays in ``compute``. Without ``communicates`` (a

@@ -54,7 +54,7 @@ class MLflowLogger:
             found = self.client.get_experiment_by_name(name)
             experiment = found.experiment_id if found else self.client.create_experiment(name)
             self.run_id = self.client.create_run(experiment, run_name=run_dir.name).info.run_id
-            from ddpkit.snapshot._run_record import flat_config
+            from ddpkit.snapshot._run_dir import flat_config
 
             # MLflow's params are flat: a nested config's fields as `logging.every_steps`
             flat = [Param(k, str(v)[:500]) for k, v in flat_config(params).items()]

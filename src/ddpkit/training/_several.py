@@ -15,7 +15,7 @@ from torch import nn
 
 from ddpkit._errors import ConfigError
 from ddpkit.nn._dropout import convert_dropout
-from ddpkit.snapshot._run_record import RunRecord
+from ddpkit.snapshot._run_dir import RunRecord
 from ddpkit.strategies import DDPConfig, strategy_config
 from ddpkit.strategies._ddp import SeveralModels
 from ddpkit.training._config import TrainerConfig
@@ -70,7 +70,7 @@ class StepContext:
             for micro in self._micro:
                 self._at = micro
                 sync = nullcontext() if micro.last else owner.strategy.no_sync()
-                dropout = dropout_layout(owner.sampler, micro, owner.config, epoch, passes)
+                dropout = dropout_layout(micro, owner.config, epoch, passes)
                 with sync, owner.autocast(), dropout:
                     yield micro.batch
         finally:
@@ -112,7 +112,7 @@ class StepContext:
         with torch.autocast(self._strategy.runtime.device.type, enabled=False):
             owner.backward(loss, micro, None, views, "+".join(names))
         if micro.last:  # its backward synchronised
-            owner.timings.backward_returned()
+            owner.observe.backward_returned()
 
     def optimizer_step(self, name: str) -> bool:
         """Unscale (fp16), the verdict on every rank alike, clip (``clip_grad_norm``, this

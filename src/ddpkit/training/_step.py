@@ -1,32 +1,37 @@
 """The training step, from the loader's micro-batches (:func:`epoch_steps`) to
-``optimizer.step()`` (:class:`TrainStep`, :class:`OptimizerStep`), and the losses the ranks agree
-on (:class:`LossWindow`). Each micro-batch's mean loss is divided so that the step follows the mean
-over every sample (or item, ``count_fn``) of the global batch (:func:`loss_divisor`)."""
+``optimizer.step()`` (:class:`TrainStep`, :class:`OptimizerStep`), what watches it
+(:class:`StepObserver`: the step timings, the stall watch's marks, and :class:`LossWindow`, the
+losses the ranks agree on). Each micro-batch's mean loss is divided so that the step follows the
+mean over every sample (or item, ``count_fn``) of the global batch (:func:`loss_divisor`)."""
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from enum import Enum
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ddpkit._errors import ConfigError
+from ddpkit._internals.compiler import cpp_compiler, set_ddp_optimizer
 from ddpkit.data._loader import batch_len, to_device
 from ddpkit.data._sampler import ShardedBatchSampler
 from ddpkit.distributed import Group
 from ddpkit.distributed import _progress as marks
-from ddpkit.distributed._collectives import all_reduce, comm_device, gather_values, is_live
+from ddpkit.distributed._collectives import all_reduce, comm_device, gather_values
 from ddpkit.distributed._progress import Phase
+from ddpkit.distributed._runtime import Runtime, is_live
 from ddpkit.distributed._seeding import mix_seed
 from ddpkit.nn._dropout import batch_layout, step_layout
 from ddpkit.snapshot._state import TrainState
 from ddpkit.strategies import Strategy
-from ddpkit.tracking._speed import Speed, StepTimings
+from ddpkit.tracking._speed import Speed
 from ddpkit.training._config import TrainerConfig
 from ddpkit.training._evaluation import BatchLoss, CountFn
 
@@ -38,6 +43,8 @@ class MicroBatch:
     divisor: float  # what its mean loss is divided by (loss_divisor)
     last: bool  # the step's last micro-batch: its backward synchronises the gradients
     index: int  # its global batch's number in the epoch
+    # the step's samples over all ranks, and where this rank's first sample of it sits among them
+    place: tuple[int, int]
 
 
 @dataclass(slots=True)
@@ -68,19 +75,18 @@ def epoch_steps(
     accum: int,
     first: int,
     device: torch.device | None,
-    timings: StepTimings,
+    observe: StepObserver,
 ) -> Iterator[Step]:
     """The steps of the rest of an epoch whose first untrained global batch is number ``first``;
     ``batches`` is the loader's pass over them (moved to ``device`` when given; each ``next()`` is
-    ``timings``' ``data``). A step's micro-batches must be read before the next step is asked
+    ``observe``'s ``data``). A step's micro-batches must be read before the next step is asked
     for."""
     it = iter(batches)
     end, num_samples = sampler.steps_per_epoch, sampler.num_samples
     for start in range(first, end, accum):
         stop = min(start + accum, end)
-        step_samples = sampler.samples_in_step(start, accum)
         yield Step(
-            _micro_batches(it, range(start, stop), step_samples, sampler, device, timings),
+            _micro_batches(it, range(start, stop), accum, sampler, device, observe),
             min(stop * sampler.global_batch_size, num_samples),
             stop == end,
         )
@@ -89,20 +95,21 @@ def epoch_steps(
 def _micro_batches(
     it: Iterator[Any],
     indices: range,
-    step_samples: int,
+    accum: int,
     sampler: ShardedBatchSampler,
     device: torch.device | None,
-    timings: StepTimings,
+    observe: StepObserver,
 ) -> Iterator[MicroBatch]:
     for index in indices:
         began = time.perf_counter()
         batch = next(it)
         n = batch_len(batch)
-        timings.data(time.perf_counter() - began, n)
+        observe.data(time.perf_counter() - began, n)
         if device is not None:
             batch = to_device(batch, device)
-        divisor = float(loss_divisor(n, sampler.world_size, step_samples))
-        yield MicroBatch(batch, n, divisor, index == indices[-1], index)
+        place = sampler.place_in_step(index, accum)
+        divisor = float(loss_divisor(n, sampler.world_size, place[0]))
+        yield MicroBatch(batch, n, divisor, index == indices[-1], index, place)
 
 
 class WeightedStep:
@@ -136,14 +143,14 @@ class WeightedStep:
 
 
 def dropout_layout(
-    sampler: ShardedBatchSampler, micro: MicroBatch, config: TrainerConfig, epoch: int, passes: int
+    micro: MicroBatch, config: TrainerConfig, epoch: int, passes: int
 ) -> AbstractContextManager[Any]:
     """The global batch's dropout layout of ``micro`` in pass ``passes`` (from 0) over its step's
     micro-batches: each sample's mask from its place in the global batch; nothing without
     ``global_batch_dropout``."""
     if not config.global_batch_dropout:
         return nullcontext()
-    at = step_layout(sampler, micro.index, config.grad_accum_steps, config.seed, epoch)
+    at = step_layout(micro.place, micro.index, config.grad_accum_steps, config.seed, epoch)
     if passes:
         # a key of its own per pass, the same on every rank: every rank runs the same passes
         at = replace(at, key=mix_seed(at.key, passes))
@@ -258,46 +265,165 @@ class OptimizerStep:
         return False
 
 
+def compile_for_training(model: torch.nn.Module, device: torch.device) -> Any:
+    """``TrainerConfig(compile=True)``: ``torch.compile(model)`` (the strategy's wrapped module)
+    with Dynamo's DDP optimizer on, so that each bucket's all-reduce still overlaps the backward
+    (docs/language-models.md). Only the training forward is compiled."""
+    if device.type == "cpu" and cpp_compiler() is None:
+        raise ConfigError(
+            "compile=True on the CPU needs a C++ compiler (inductor builds its kernels with one) "
+            "and none was found: install g++ (apt-get install g++) or set CXX, or leave "
+            "compile=False"
+        )
+    set_ddp_optimizer()
+    return torch.compile(model)
+
+
+class StepObserver:
+    """What watches a step, which calls it once a phase: the step timings (data, compute, comm,
+    optimizer: :class:`~ddpkit.tracking._speed.Speed`), the marks ``ddpkit run``'s stall watch
+    reads (:mod:`ddpkit.distributed._progress`), and the :class:`LossWindow`."""
+
+    def __init__(self, speed: Speed, window: LossWindow) -> None:
+        self.speed, self.timings, self.window = speed, speed.timings, window
+
+    def begin(self, step: int) -> None:
+        """Optimizer step ``step`` (counted from 1) begins; its first micro-batch is read next."""
+        marks.begin_step(step)
+        self.timings.start_step()
+
+    def data(self, seconds: float, samples: int) -> None:
+        """A micro-batch of ``samples`` was read from the loader, which took ``seconds``."""
+        self.timings.data(seconds, samples)
+
+    def forward(self, batch: Any) -> AbstractContextManager[None]:
+        """Around a micro-batch's forward and backward: the run's first one's FLOPs are counted,
+        once a device peak is known."""
+        return self.speed.counting(batch)
+
+    def backward(
+        self, loss: torch.Tensor, micro: MicroBatch, start: torch.Tensor, name: Any
+    ) -> None:
+        """Before the backward of ``micro``, whose mean is ``loss`` (into the window, under
+        ``name``) and which starts from ``start``: the step's synchronising backward (its last
+        micro-batch's) marks the moment its last gradient is ready, where ``comm`` begins."""
+        self.window.add(loss, micro.samples, name)
+        if micro.last:
+            self.timings.sync_backward(start)
+
+    def backward_returned(self) -> None:
+        """A synchronising backward returned and more of the step follows before its optimizer's
+        (a step of several optimizers): its ``comm`` ends."""
+        self.timings.backward_returned()
+
+    def optimizer(self) -> None:
+        """An optimizer step begins: the step's last backward has returned."""
+        self.timings.before_optimizer()
+        marks.mark(Phase.OPTIMIZER)
+
+    def optimizer_done(self, more: bool) -> None:
+        """The optimizer step is done (taken or skipped); ``more``: the step goes on."""
+        marks.mark(Phase.USER)
+        self.timings.after_optimizer(more)
+
+    def end(self, taken: bool) -> None:
+        """The step ends, ``taken`` or skipped (a skipped step's losses leave the window)."""
+        self.timings.end_step()
+        self.window.end_step(taken)
+
+    @contextmanager
+    def snapshot(self, in_window: bool) -> Iterator[None]:
+        """Around a step's (or an epoch end's) snapshots: marked; ``in_window``: timed as the log
+        window's ``snapshot`` phase."""
+        with self.timings.phase("snapshot") if in_window else nullcontext():
+            with marks.phase(Phase.SNAPSHOT):
+                yield
+
+
 StepBody = Callable[["TrainStep", Step], dict[str, bool]]
 """What a step runs between its start and its end: forward and backward on the micro-batches and
 the optimizer steps (:meth:`TrainStep.backward`, :meth:`TrainStep.optimize`); returns whether each
 optimizer step was taken, by name."""
 
 
+@dataclass(frozen=True)
+class Models:
+    """What a Trainer trains (:func:`~ddpkit.training._trainer.build_models`): the ``strategy``
+    over the ranks and each optimizer's view of it by name (one model: ``""``), the parameters
+    beside each optimizer's (``outside``), how a batch becomes a loss, the metrics an evaluation
+    takes (None: several models without a ``metric_fn``), the step's ``body`` (None:
+    :meth:`TrainStep.one_model`), the schedulers (``scheduler``, the epoch ends' and
+    the snapshots': one, or several as one; ``stepped``, each optimizer step's, by name;
+    ``plateau``, each validation's, with its metric) and the run's ``record``."""
+
+    strategy: Any
+    views: Mapping[str, Strategy]
+    outside: Mapping[str, list[torch.nn.Parameter]]
+    batch_loss: BatchLoss
+    metrics: Callable[[torch.nn.Module, Any], Mapping[str, Any]] | None
+    body: StepBody | None
+    scheduler: Any
+    stepped: Mapping[str, Any]
+    plateau: Any
+    record: Any
+
+
 class TrainStep:
     """The Trainer's step, of one model and optimizer or of several (a ``body``:
     :func:`ddpkit.training._several.step_fn_body`): calling it runs the step and returns whether
-    every optimizer step was taken. ``steps``: the optimizer steps by name; the first's scaler and
-    group are the step's, its norm and lr the records'."""
+    every optimizer step was taken. It owns what the step runs under: the precision (fp16's
+    GradScaler, autocast), the forward (compiled with ``compile=True``), an :class:`OptimizerStep`
+    per optimizer of ``models`` (the first's norm and lr are the records'), and its
+    :class:`StepObserver`."""
 
     def __init__(
         self,
         config: TrainerConfig,
-        strategy: Strategy,
-        steps: dict[str, OptimizerStep],
+        models: Models,
         *,
-        forward: torch.nn.Module,
-        autocast: Callable[[], AbstractContextManager[Any]],
-        batch_loss: BatchLoss,
-        window: LossWindow,
+        runtime: Runtime,
+        state: TrainState,
         sampler: ShardedBatchSampler,
-        speed: Speed,
-        body: StepBody | None = None,
+        log: Callable[[str, int, dict[str, Any]], None],
     ) -> None:
-        self.config, self.strategy, self.steps = config, strategy, steps
-        self.optimizer_step = next(iter(steps.values()))
-        self.state, self.scaler = self.optimizer_step.state, self.optimizer_step.scaler
-        self.speed, self.timings = speed, speed.timings
-        self.forward, self.batch_loss, self.autocast = forward, batch_loss, autocast
-        self.window, self.sampler = window, sampler
-        self.body: StepBody = body or TrainStep.one_model
+        strategy = models.strategy
+        self.config, self.strategy, self.state = config, strategy, state
+        self.batch_loss, self.sampler = models.batch_loss, sampler
+        device = runtime.device
+        # fp16's small exponent range underflows small gradients; bf16 has fp32's range
+        self.scaler = torch.amp.GradScaler(device.type) if config.precision == "fp16" else None
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision)
+        self.autocast = partial(torch.autocast, device.type, dtype) if dtype else nullcontext
+        model = strategy.model
+        self.forward = compile_for_training(model, device) if config.compile else model
+        speed = Speed(
+            model, device, enabled=config.logging.step_timings, precision=config.precision,
+            world_size=runtime.world_size, peak_flops=config.logging.peak_flops,
+            compiled=config.compile,
+        )  # fmt: skip
+        self.observe = StepObserver(speed, LossWindow(on_host=device.type == "cpu"))
+        self.window = self.observe.window
+        self.steps = {
+            name: OptimizerStep(
+                config,
+                view,
+                scheduler=models.stepped.get(name),
+                scaler=self.scaler,
+                state=state,
+                log=log,
+                group=runtime.group,
+                outside=models.outside.get(name),
+            )  # fmt: skip
+            for name, view in models.views.items()
+        }
+        self.optimizer_step = next(iter(self.steps.values()))
+        self.body: StepBody = models.body or TrainStep.one_model
 
     def __call__(self, step: Step) -> bool:
         for optimizer_step in self.steps.values():
             optimizer_step.begin()  # the gradients set to None before the step's first forward
-        self.timings.start_step()
+        self.observe.begin(self.state.step + 1)
         taken_by = self.body(self, step)
-        self.timings.end_step()
         if self.scaler is not None:
             # once a step, after every optimizer's unscale_ (GradScaler's rule)
             self.scaler.update()
@@ -306,7 +432,7 @@ class TrainStep:
             self.state.step += 1
         elif any(self.steps[name].skipped for name in taken_by):
             self.state.skipped_steps += 1  # once, however many of its optimizers skipped
-        self.window.end_step(taken)
+        self.observe.end(taken)
         return taken
 
     def one_model(self, step: Step) -> dict[str, bool]:
@@ -319,12 +445,11 @@ class TrainStep:
             else WeightedStep(step, count_fn, self.sampler.world_size, group)
         )
         for micro in weighted or step.micro_batches:
-            # the run's first micro-batch, once a peak is known: its forward and backward counted
-            counting = self.speed.counting(micro.batch)
             # all but the last backward accumulate without synchronising the gradients
-            with counting, nullcontext() if micro.last else self.strategy.no_sync():
-                epoch = self.state.epoch
-                with self.autocast(), dropout_layout(self.sampler, micro, self.config, epoch, 0):
+            sync = nullcontext() if micro.last else self.strategy.no_sync()
+            with self.observe.forward(micro.batch), sync:
+                dropout = dropout_layout(micro, self.config, self.state.epoch, 0)
+                with self.autocast(), dropout:
                     loss = self.batch_loss(self.forward, micro.batch)
                 self.backward(loss, micro, weighted, (self.strategy,))
         (name,) = self.steps
@@ -338,19 +463,18 @@ class TrainStep:
         marking: Iterable[Strategy],
         name: str | None = None,
     ) -> None:
-        """``micro``'s mean ``loss`` into the window (under ``name``), a non-finite value put into
-        the gradients that ``marking``'s verdicts read, then divided by its divisor in the step (per
+        """``micro``'s mean ``loss`` (into the window, under ``name``) with a non-finite value put
+        into the gradients that ``marking``'s verdicts read, divided by its divisor in the step (per
         item with ``weighted``, else per sample), scaled under fp16, and backward."""
-        self.window.add(loss, micro.samples, name)
+        start = loss
         for strategy in marking:
-            loss = strategy.mark_nonfinite(loss)
+            start = strategy.mark_nonfinite(start)
         if weighted is not None:
-            loss = loss / weighted.divisor(micro).to(loss.dtype)
+            start = start / weighted.divisor(micro).to(start.dtype)
         elif micro.divisor != 1:  # 1: the loss as it is, bit for bit
-            loss = loss / micro.divisor
-        if micro.last:
-            self.timings.sync_backward(loss)
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
+            start = start / micro.divisor
+        self.observe.backward(loss, micro, start, name)
+        (self.scaler.scale(start) if self.scaler else start).backward()
 
     def output(self, taken: bool) -> StepOutput:
         """The step just done, for ``on_step_end``."""
@@ -370,11 +494,9 @@ class TrainStep:
 
     def optimize(self, name: str, more: bool = False) -> bool:
         """Optimizer step ``name``; ``more``: the step goes on after it (several optimizers)."""
-        self.timings.before_optimizer()
-        marks.mark(Phase.OPTIMIZER)  # for the launcher's stall watch (ddpkit._launch.watch.stall)
+        self.observe.optimizer()
         taken = self.steps[name](self.window)
-        marks.mark(Phase.USER)
-        self.timings.after_optimizer(more)
+        self.observe.optimizer_done(more)
         return taken
 
 

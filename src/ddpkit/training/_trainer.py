@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
-from functools import partial
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
 
@@ -24,50 +23,34 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddpkit._errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
-from ddpkit._internals.compiler import cpp_compiler, set_ddp_optimizer
 from ddpkit.data import ShardedBatchSampler, build_loader
 from ddpkit.distributed import Group
 from ddpkit.distributed import _progress as marks
 from ddpkit.distributed import _signals as signals
 from ddpkit.distributed._collectives import all_reduce, broadcast_object
-from ddpkit.distributed._log import print0
 from ddpkit.distributed._progress import Phase
-from ddpkit.distributed._runtime import get_runtime
+from ddpkit.distributed._runtime import get_runtime, print0
 from ddpkit.distributed._seeding import seed_rank
 from ddpkit.nn._dropout import convert_dropout
 from ddpkit.snapshot import _run_dir as run_dir_lib
-from ddpkit.snapshot._run_record import RunRecord, write_resolved_config
 from ddpkit.snapshot._snapshots import Snapshots, resumes
-from ddpkit.snapshot._state import RankStreams, TrainState
+from ddpkit.snapshot._state import TrainState
 from ddpkit.strategies import Strategy, build_strategy
 from ddpkit.tracking._metrics import MetricsWriter, Progress, format_metrics, run_summary
-from ddpkit.tracking._speed import Speed
 from ddpkit.training._config import TrainerConfig  # noqa: F401  (imported from here by scripts)
 from ddpkit.training._evaluation import BatchLoss, BatchLossFn, LossFn
-from ddpkit.training._several import (
-    NO_METRIC_FN,
-    Schedulers,
-    StepFn,
-    several_models,
-    step_fn_body,
-)
+from ddpkit.training._several import NO_METRIC_FN, StepFn, several_models, step_fn_body
 from ddpkit.training._step import (
     CountFn,
     EpochLoss,
-    LossWindow,
-    OptimizerStep,
+    Models,
     Step,
     StepOutput,
     StopReason,
     TrainStep,
     epoch_steps,
 )
-from ddpkit.training._validation import (
-    Validation,
-    check_metric_driven,
-    evaluate_with,
-    metric_driven,
-)
+from ddpkit.training._validation import Validation, check_metric_driven, metric_driven
 
 # The Trainer calls a callback's hooks on every rank, in order, between its own collectives: a
 # callback may make collectives of its own if it makes the same ones on every rank.
@@ -145,18 +128,58 @@ def own_parts(
     return parts
 
 
-def compile_for_training(model: nn.Module, device: torch.device) -> Any:
-    """``TrainerConfig(compile=True)``: ``torch.compile(model)`` (the strategy's wrapped module)
-    with Dynamo's DDP optimizer on, so that each bucket's all-reduce still overlaps the backward
-    (docs/language-models.md). Only the training forward is compiled."""
-    if device.type == "cpu" and cpp_compiler() is None:
-        raise ConfigError(
-            "compile=True on the CPU needs a C++ compiler (inductor builds its kernels with one) "
-            "and none was found: install g++ (apt-get install g++) or set CXX, or leave "
-            "compile=False"
+def build_models(
+    config: TrainerConfig,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    runtime: Any,
+    val_data: Any,
+    *,
+    step_fn: StepFn | None,
+    loss_fn: LossFn | None,
+    batch_loss_fn: BatchLossFn | None,
+    metric_fn: Any,
+    count_fn: CountFn | None,
+) -> Models:
+    """What a Trainer trains: one model and optimizer spread over the ranks as ``config.strategy``
+    says, with its loss (:class:`~ddpkit.training._evaluation.BatchLoss`); or, with a ``step_fn``,
+    several by name (:func:`several_models`), whose step computes the losses (``loss_fn``,
+    ``batch_loss_fn`` and ``count_fn`` are refused by name)."""
+    if step_fn is not None:
+        refused = {
+            "loss_fn": loss_fn, "batch_loss_fn": batch_loss_fn, "count_fn": count_fn,
+            "compile": config.compile, "snapshot memory": config.snapshot.memory,
+        }  # fmt: skip
+        several, schedulers, record, metrics = several_models(
+            config, model, optimizer, scheduler, runtime, refused, val_data, metric_fn
         )
-    set_ddp_optimizer()
-    return torch.compile(model)
+        named = schedulers.schedulers if schedulers else {}
+        return Models(
+            several, several.views, several.outside, BatchLoss(None, None, metrics), metrics,
+            step_fn_body(step_fn), schedulers,
+            stepped={name: s for name, s in named.items() if not metric_driven(s)},
+            plateau=schedulers if schedulers and schedulers.metric_driven else None,
+            record=record,
+        )  # fmt: skip
+    if metric_driven(scheduler):  # stepped at each validation, with its metric
+        check_metric_driven(config, scheduler, val_data)
+    if config.global_batch_dropout:
+        convert_dropout(model)
+    # the lr as asked, before any scheduler step
+    record = run_dir_lib.RunRecord.of(config, optimizer, model)
+    # zero and fsdp rebuild the optimizer over what they shard (the scheduler follows)
+    strategy = build_strategy(
+        config.strategy, model, optimizer, runtime=runtime, sync_batchnorm=config.sync_batchnorm,
+        scheduler=scheduler,
+    )  # fmt: skip
+    plateau = scheduler if metric_driven(scheduler) else None
+    batch_loss = BatchLoss(loss_fn, batch_loss_fn, metric_fn, count_fn)
+    return Models(
+        strategy, {"": strategy}, {}, batch_loss, batch_loss.metrics, None, scheduler,
+        stepped={} if scheduler is None or plateau else {"": scheduler}, plateau=plateau,
+        record=record,
+    )  # fmt: skip
 
 
 class Trainer:
@@ -190,7 +213,10 @@ class Trainer:
     model: nn.Module  # inside DDP (or fsdp's wrapping) when there is a process group
     optimizer: torch.optim.Optimizer
     state: TrainState  # epoch, step, cursor, skipped steps
-    stopped_by: StopReason | str | None
+    epoch_loss: EpochLoss  # the loss the ranks agreed on in this epoch
+    stopped_by: StopReason | str | None = None
+    _stop_signal = 0  # the stop signal this rank received, which the next agreement spreads
+    _last_taken = False  # whether the epoch's last step was taken (a step's snapshot may be due)
 
     def __init__(
         self,
@@ -214,133 +240,42 @@ class Trainer:
         # rank, world size and "main" count in this group (the job, or one of split_world())
         self.config, self.runtime = config, get_runtime(group, member=True)
         rt = self.runtime
-        self.group = rt.group
-        self.callbacks = list(callbacks)
-        self.step_fn = step_fn
-        # each optimizer's model (and its parameters no optimizer holds) and scheduler, by name
-        views: Mapping[str, Strategy]
-        if step_fn is None:
-            if metric_driven(scheduler):  # stepped at each validation, with its metric
-                check_metric_driven(config, scheduler, val_data)
-            if config.global_batch_dropout:
-                convert_dropout(model)
-            # the lr as asked, before any scheduler step
-            record = RunRecord.of(config, optimizer, model)
-            # zero and fsdp rebuild the optimizer over what they shard (the scheduler follows)
-            self.strategy = build_strategy(
-                config.strategy,
-                model,
-                optimizer,
-                runtime=rt,
-                sync_batchnorm=config.sync_batchnorm,
-                scheduler=scheduler,
-            )
-            views, outside, schedulers = {"": self.strategy}, {}, {"": scheduler}
-        else:  # several models and optimizers, by name (ddpkit.training._several)
-            refused = {
-                "loss_fn": loss_fn, "batch_loss_fn": batch_loss_fn, "count_fn": count_fn,
-                "compile": config.compile, "snapshot memory": config.snapshot.memory,
-            }  # fmt: skip
-            several, scheduler, record, metric_fn = several_models(
-                config, model, optimizer, scheduler, rt, refused, val_data, metric_fn
-            )
-            self.strategy, views, outside = several, several.views, several.outside
-            schedulers = scheduler.schedulers if scheduler else {}
-        self.model, self.optimizer = self.strategy.model, self.strategy.optimizer
-        self.scheduler = scheduler
-        self._plateau = metric_driven(scheduler) or (
-            isinstance(scheduler, Schedulers) and scheduler.metric_driven
-        )
-        self._forward = (
-            compile_for_training(self.model, rt.device) if config.compile else self.model
-        )
-        log = config.logging
-        self.speed = Speed(
-            self.model, rt.device, enabled=log.step_timings, precision=config.precision,
-            world_size=rt.world_size, peak_flops=log.peak_flops, compiled=config.compile,
+        self.group, self.callbacks, self.step_fn = rt.group, list(callbacks), step_fn
+        models = build_models(
+            config, model, optimizer, scheduler, rt, val_data, step_fn=step_fn, loss_fn=loss_fn,
+            batch_loss_fn=batch_loss_fn, metric_fn=metric_fn, count_fn=count_fn,
         )  # fmt: skip
-        # the models are now identical: each rank gets its own streams (dropout, augmentation)
-        seed_rank(config.seed, rt.rank)
-        self._on_cpu = rt.device.type == "cpu"
-        # fp16's small exponent range underflows small gradients; bf16 has fp32's range
-        self.scaler = torch.amp.GradScaler(rt.device.type) if config.precision == "fp16" else None
-        self.batch_loss = BatchLoss(loss_fn, batch_loss_fn, metric_fn, count_fn)
-        self._metrics_given = metric_fn is not None
-        self.val_data = val_data
-        self.loader = build_loader(
-            train_data, group=self.group, **config.loader_args(rt.world_size)
-        )
+        self.strategy, self.scheduler = models.strategy, models.scheduler
+        self.model, self.optimizer = self.strategy.model, self.strategy.optimizer
+        seed_rank(config.seed, rt.rank)  # the models are identical now: each rank its own streams
+        self.loader = build_loader(train_data, group=rt.group, **config.loader_args(rt.world_size))
         self.sampler = cast(ShardedBatchSampler, self.loader.batch_sampler)  # build_loader's
-        self.generator: torch.Generator = self.loader.generator
-        self.state = TrainState()
-        # each rank's losses since the ranks last agreed
-        self._window = LossWindow(on_host=self._on_cpu)
-        self.epoch_loss = EpochLoss()  # what they agreed on in this epoch
-        self.run_dir = config.phase_dir
+        self.state, self.epoch_loss, self.run_dir = TrainState(), EpochLoss(), config.phase_dir
         self.writer = MetricsWriter(
-            self.run_dir,
-            enabled=rt.is_main,
-            tensorboard=log.tensorboard,
-            loggers=log.trackers,
-            params=config.to_json(),
-        )
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision)
-        self._autocast = partial(torch.autocast, rt.device.type, dtype) if dtype else nullcontext
-        self.evaluator = partial(
-            evaluate_with, self.strategy, self.batch_loss.metrics, self._autocast, config, rt.group
+            self.run_dir, enabled=rt.is_main, tensorboard=config.logging.tensorboard,
+            loggers=config.logging.trackers, params=config.to_json(),
+        )  # fmt: skip
+        self.train_step = TrainStep(
+            config, models, runtime=rt, state=self.state, sampler=self.sampler, log=self.writer.log
         )
         self.validation = Validation(
-            config, rt, val_data, evaluate=self.evaluator,
-            model_weights=self.strategy.model_weights, log=self.writer.log,
-            plateau=scheduler if self._plateau else None,
-        )  # fmt: skip
-        self.early_stopping = self.validation.early_stopping
-        self.best_weights = self.validation.best_weights
-        # `own`: what each rank saves of its own
-        own = own_parts(self._window, self.callbacks, extra_state)
-        streams = RankStreams(
-            rt, self.generator, config.seed, self.state, own=own,
-            new_rank_state=config.new_rank_state, warn=partial(print0, group=self.group),
+            config, rt, val_data, strategy=self.strategy, metrics=models.metrics,
+            autocast=self.train_step.autocast, log=self.writer.log, plateau=models.plateau,
         )  # fmt: skip
         states = {
-            "data": self.loader, "rng": streams, "epoch_loss": self.epoch_loss,
-            "early_stopping": self.early_stopping, "validation": self.validation,
-            "scheduler": scheduler, "scaler": self.scaler, "records": self.writer,
+            "train": self.state, "data": self.loader, "epoch_loss": self.epoch_loss,
+            "early_stopping": self.validation.early_stopping, "validation": self.validation,
+            "scheduler": self.scheduler, "scaler": self.scaler, "records": self.writer,
         }  # fmt: skip
         self.snapshots = Snapshots.of_trainer(
-            self.run_dir, config.snapshot, runtime=rt, strategy=self.strategy,
-            states={"train": self.state, **states}, record=record,
-            global_micro_batch=self.sampler.global_batch_size, log=self.writer.log,
-            print0=partial(print0, group=self.group),
+            self.run_dir, config.snapshot, runtime=rt, strategy=self.strategy, states=states,
+            own=own_parts(self.train_step.window, self.callbacks, extra_state), seed=config.seed,
+            generator=self.loader.generator, new_rank_state=config.new_rank_state,
+            record=models.record, global_micro_batch=self.sampler.global_batch_size,
+            log=self.writer.log,
         )  # fmt: skip
         self.memory = self.snapshots.memory  # copies in shared memory after steps (None: off)
-        # an optimizer step per optimizer, by name (one model: its step's name is never shown); a
-        # metric-driven scheduler steps at validations, with its metric
-        steps = {
-            name: OptimizerStep(
-                config,
-                view,
-                scheduler=None if metric_driven(s := schedulers.get(name)) else s,
-                scaler=self.scaler,
-                state=self.state,
-                log=self.writer.log,
-                group=self.group,
-                outside=outside.get(name),
-            )
-            for name, view in views.items()
-        }
-        self.train_step = TrainStep(
-            config, self.strategy, steps, forward=self._forward, autocast=self._autocast,
-            batch_loss=self.batch_loss, window=self._window, sampler=self.sampler,
-            speed=self.speed, body=None if step_fn is None else step_fn_body(step_fn),
-        )  # fmt: skip
-        self.optimizer_step = self.train_step.optimizer_step
-        self._epoch_start = time.perf_counter()
-        # whether the epoch's last step was taken (a step's snapshot may be due)
-        self._last_taken = False
-        self._stop_signal, self.stopped_by = 0, None
-        # Ray's warning of a node's loss
-        self._notice = signals.preemption_notice(rt.launcher, self.group)
+        self._notice = signals.preemption_notice(rt.launcher, self.group)  # Ray's, of a node's loss
         run_dir_lib.TRAINERS[self] = in_use
 
     # The counters, as the state holds them.
@@ -351,6 +286,12 @@ class Trainer:
     )
     skipped_steps = property(lambda self: self.state.skipped_steps)
     resumed_from = property(lambda self: self.snapshots.resumed_from)
+    # What the Trainer's parts own, under the Trainer's names.
+    scaler = property(lambda self: self.train_step.scaler)  # fp16's GradScaler, else None
+    speed = property(lambda self: self.train_step.observe.speed)
+    early_stopping = property(lambda self: self.validation.early_stopping)
+    best_weights = property(lambda self: self.validation.best_weights)
+    val_data = property(lambda self: self.validation.val_data)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything the next step needs (collective); see
@@ -358,7 +299,15 @@ class Trainer:
         return self.snapshots.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (collective: the best so far is read on rank 0 and
+        shared). With ``on_data_change="restart_epoch"`` and changed data, the epoch starts again,
+        its loss counted afresh (what was agreed belongs to the old data's order)."""
         self.snapshots.load_state_dict(state)
+        if self.loader.data_changes:
+            self.cursor = 0
+            self.epoch_loss.reset()
+            self.train_step.window.clear()
+        self.validation.resume(self.group)
 
     def save(self) -> None:
         """Snapshot this step (every rank must call it); with a stop decided, wait until it is whole
@@ -386,42 +335,48 @@ class Trainer:
             root=self.config.run_dir if self.config.phase else None,
         )  # fmt: skip
         try:
-            return self._fit()
+            last = self._fit()
         finally:
             if lock is not None:
                 lock.release()
+        if self.stopped_by != StopReason.SIGNAL:
+            speed = self.speed.run.summary()  # the slowest rank over the run
+            summary = run_summary(
+                str(self.stopped_by), self.state, last, self.validation, self.run_dir, speed
+            )
+            print0(summary, group=self.group)
+            signals.pass_on(self._stop_signal)  # one that came after the last agreement
+        elif self.config.raise_on_stop_signal:
+            preempted = Preempted.by(self._stop_signal, self.step)
+            print0(
+                f"ddpkit: {preempted}; raising ddpkit.Preempted (exit code {PREEMPTED_EXIT_CODE}: "
+                "pre-empted, resume me)",
+                group=self.group,
+            )
+            raise preempted
+        return last
 
     def _fit(self) -> dict[str, float]:
         cfg, rt = self.config, self.runtime
         if self._resuming:
             self.snapshots.resume(self.load_state_dict)
-        if self.resumed_from is not None:
-            # accepted (on_data_change="restart_epoch"): the epoch from its start,
-            if self.loader.data_changes:
-                # and its loss counted afresh (what was agreed belongs to the old data's order)
-                self.cursor = 0
-                self.epoch_loss.reset()
-                self._window.clear()
-            self.validation.resume(self.group)
-        else:
+        if self.resumed_from is None:
             self.writer.log(
                 "event", self.step, {"event": "start", "restart_count": rt.restart_count}
             )
         with self._run_dir_write(self.run_dir / "config.json"):
-            write_resolved_config(self.run_dir, self.config, self.runtime, self.sampler.batch_size)
+            run_dir_lib.write_resolved_config(self.run_dir, cfg, rt, self.sampler.batch_size)
         call(self.callbacks, "on_fit_start", self)
-        last: dict[str, float] = {}
         # A finished run, resumed: nothing left to train.
         if self.early_stopping.should_stop:
             self.stopped_by = StopReason.EARLY_STOPPING
         if cfg.max_steps is not None and self.step >= cfg.max_steps:
             self.stopped_by = StopReason.MAX_STEPS
-        # its final state restored (above): its final metrics are the records'
         finished = self.resumed_from is not None and (
             self.stopped_by is not None or self.epoch >= cfg.epochs
         )
-        if finished:
-            last = broadcast_object(self.writer.last_epoch(), group=self.group)
+        # its final state restored (above): its final metrics are the records'
+        last = broadcast_object(self.writer.last_epoch(), group=self.group) if finished else {}
         try:
             with signals.stop_signals(self._on_stop_signal):
                 while self.epoch < cfg.epochs and self.stopped_by is None:
@@ -451,29 +406,14 @@ class Trainer:
         with self._run_dir_write(self.run_dir / "final weights"):
             self.validation.save_final_weights(self.epoch, self.step, self.stopped_by)
         self.wait_for_snapshot()  # the run's last snapshot is whole before fit() returns
-        reason = self.stopped_by
         done = {"resumed_finished": True} if finished else {}
-        self.writer.log("event", self.step, {"event": "stop", "reason": str(reason), **done})
+        self.writer.log(
+            "event", self.step, {"event": "stop", "reason": str(self.stopped_by), **done}
+        )
         self.writer.flush()
         self._stop_on_fault(one_more=True)  # a write since the last agreement
         call(self.callbacks, "on_fit_end", self)
         self.snapshots.close(finished=True)  # what a restart needs from here on is on disk
-        if self.stopped_by != StopReason.SIGNAL:
-            speed = self.speed.run.summary()  # the slowest rank over the run
-            print0(
-                run_summary(str(reason), self.state, last, self.validation, self.run_dir, speed),
-                group=self.group,
-            )
-            # one that came after the last agreement, too late to stop it
-            signals.pass_on(self._stop_signal)
-        elif cfg.raise_on_stop_signal:
-            preempted = Preempted.by(self._stop_signal, self.step)
-            print0(
-                f"ddpkit: {preempted}; raising ddpkit.Preempted (exit code {PREEMPTED_EXIT_CODE}: "
-                "pre-empted, resume me)",
-                group=self.group,
-            )
-            raise preempted
         return last
 
     def _train_epoch(self) -> bool:
@@ -491,13 +431,11 @@ class Trainer:
         # The window carries on: empty after the last epoch's agreement, or as a snapshot left it.
         self._window_start = self._epoch_start = time.perf_counter()
         # on the CPU, batches are already where they belong
-        device = None if self._on_cpu else rt.device
+        device = None if rt.device.type == "cpu" else rt.device
         try:
             for step in epoch_steps(
-                self.loader, self.sampler, accum, first, device, self.speed.timings
+                self.loader, self.sampler, accum, first, device, self.train_step.observe
             ):
-                # for the launcher's stall watch (ddpkit._launch.watch.stall)
-                marks.begin_step(self.step + 1)
                 taken = self.train_step(step)  # ddpkit.training._step
                 self.state.cursor = step.cursor
                 if not self._after_step(step, taken, progress):
@@ -550,18 +488,18 @@ class Trainer:
         """The snapshots due where the run stands now, once everything of the step (or of the
         epoch's end) is done: a copy is a state an uninterrupted run passes through. ``in_window``:
         timed as the log window's (not at an epoch's end, whose window is recorded)."""
-        timed = self.speed.timings.phase("snapshot") if in_window else nullcontext()
-        with timed:
-            if disk:
-                self.save()
-            if self.snapshots.in_memory_due(count, taken):
-                with marks.phase(Phase.SNAPSHOT):
+        memory = self.snapshots.in_memory_due(count, taken)
+        if disk or memory:
+            with self.train_step.observe.snapshot(in_window):
+                if disk:
+                    self.save()
+                if memory:
                     self.snapshots.save_in_memory()
 
     def _log_window(self) -> dict[str, Any]:
         """Agree on the mean training loss since the last agreement, record it, and start a new
         window."""
-        window = self._window
+        window = self.train_step.window
         # a barrier under Ray: every rank asks here
         if self._notice is not None and (notice := self._notice()):
             # one snapshot for a notice, at this step (the schedule's), then training goes on
@@ -574,7 +512,7 @@ class Trainer:
             torch.cuda.current_stream().synchronize()
         end = time.perf_counter()
         wall = self.speed.window_seconds(self._window_start, end)  # less a validation's time
-        tokens = self.batch_loss.count_fn is not None
+        tokens = self.train_step.batch_loss.count_fn is not None
         # Every rank's phases travel in the agreement's one collective, at window ends only.
         row = self.speed.row(wall, float(sum(window.sizes)) if tokens else None)
         agreed = window.agree(
@@ -597,9 +535,9 @@ class Trainer:
             }
             # several models'
             record |= {f"train/loss_{name}": mean for name, mean in agreed.means.items()}
-            if self.optimizer_step.grad_norm is not None:
+            if self.train_step.optimizer_step.grad_norm is not None:
                 # of the last step taken, before clipping
-                record["grad_norm"] = float(self.optimizer_step.grad_norm)
+                record["grad_norm"] = float(self.train_step.optimizer_step.grad_norm)
             self.writer.log("train", self.step, record | rates)
         if times is not None and window.tried:
             self.writer.log("ranks", self.step, times.record())
@@ -614,7 +552,7 @@ class Trainer:
     def _end_epoch(self) -> dict[str, float]:
         cfg = self.config
         # resumed from a copy taken after the epoch's last step, before its agreement
-        if self._window.tried:
+        if self.train_step.window.tried:
             self._log_window()
         self.state.epoch += 1
         self.state.cursor = 0
@@ -626,8 +564,9 @@ class Trainer:
         # the mean over all the epoch's steps (a snapshot holds the sums so far)
         metrics["train/epoch_loss"] = self.epoch_loss.mean
         self.epoch_loss.reset()
-        if self.val_data is not None and self.validation.at_epoch_end:
-            metrics |= self.evaluator(self.val_data, "val")
+        evaluate = self.validation.evaluate if self.validation.at_epoch_end else None
+        if evaluate is not None:
+            metrics |= evaluate()
         seconds = round(time.perf_counter() - self._epoch_start, 3)  # training and validation
         if self.validation.at_epoch_end:
             with self._run_dir_write(self.best_weights.path):
@@ -638,7 +577,7 @@ class Trainer:
         timed = metrics | {"epoch_seconds": seconds}
         self.writer.epoch_end(self.step, timed)
         print0(format_metrics(timed), group=self.group)
-        if self.val_data is not None and self.validation.at_epoch_end:  # once recorded and counted
+        if evaluate is not None:  # once recorded and counted
             val = {
                 k: v for k, v in metrics.items() if k.startswith("val/") or k in ("epoch", "step")
             }
@@ -654,9 +593,9 @@ class Trainer:
     def evaluate(self, data: Dataset, prefix: str = "test") -> dict[str, float]:
         """Exact metrics over every sample of ``data`` (each counted once), named
         ``prefix/metric``."""
-        if self.step_fn is not None and not self._metrics_given:
+        if self.validation.evaluator is None:  # several models without a metric_fn
             raise ConfigError(f"trainer.evaluate() with step_fn needs a metric_fn: {NO_METRIC_FN}")
-        out = self.evaluator(data, prefix)
+        out = self.validation.evaluator(data, prefix)
         if prefix != "val":
             self.writer.log(prefix, self.step, out)
         return out

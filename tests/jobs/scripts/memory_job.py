@@ -101,10 +101,11 @@ def kill_inside_restore(rank: int, log: str) -> None:
     memory = ddpkit.snapshot._memory.MemoryStore
     load = memory._read
 
-    def dying_read(self, choice, snapshots):
-        if snapshots.runtime.restart_count == 1 and snapshots.runtime.rank == rank:
+    def dying_read(self, choice, *args):
+        runtime = ddpkit.get_runtime()
+        if runtime.restart_count == 1 and runtime.rank == rank:
             _sigkill(log, f"in-restore-rank{rank}")
-        return load(self, choice, snapshots)
+        return load(self, choice, *args)
 
     memory._read = dying_read  # type: ignore[method-assign]
 

@@ -82,15 +82,15 @@ def instrument() -> None:
 
         setattr(owner, name, wrapped)
 
-    # save: SnapshotManager.save gathers every rank's values (rank 0 empties the folder), then
+    # save: DiskStore.save gathers every rank's values (rank 0 empties the folder), then
     # dcp.save plans (each rank's local plan, rank 0's global plan), writes, and rank 0 writes the
     # index; the marker last.
     after(dcp, "save", "indexed")
     after(storage.Writer, "write_data", "written", before="planned")
-    after(manager.SnapshotManager, "_write", "marked", before="values gathered")
+    after(manager.DiskStore, "_write", "marked", before="values gathered")
     # load: latest() finds and verifies (rank 0 hashes every file), load() reads values.pt and the
     # index, then dcp.load plans and reads.
-    after(manager.SnapshotManager, "latest", "found and verified")
+    after(manager.DiskStore, "latest", "found and verified")
     after(storage.Reader, "read_data", "read", before="planned")
 
     # A copy in memory: its CPU time (the Trainer keeps its wall time, MemoryStore.stalls).
@@ -98,9 +98,9 @@ def instrument() -> None:
 
     original = MemoryStore._save_timed
 
-    def save_timed(self, snapshots):
+    def save_timed(self, parts):
         c0 = time.process_time()
-        original(self, snapshots)
+        original(self, parts)
         COPY_CPU.append(time.process_time() - c0)
 
     MemoryStore._save_timed = save_timed
@@ -148,7 +148,7 @@ def main() -> None:
     import torch
 
     import ddpkit
-    from ddpkit.snapshot._disk import SnapshotManager
+    from ddpkit.snapshot._disk import DiskStore
     from ddpkit.training._config import LoggingConfig, SnapshotConfig, TrainerConfig
 
     mark("imports")
@@ -200,12 +200,13 @@ def main() -> None:
 
     # What Snapshots.save hands the disk store: the strategy's state (DCP's part), the rest,
     # each rank's own.
-    state, extra, own = trainer.snapshots.disk_parts()
-    shared = {"replicated": trainer.strategy.replicated, "own": own}
+    parts = trainer.snapshots.parts()
+    state, extra = parts.strategy.state_dict(), parts.values
+    shared = {"replicated": trainer.strategy.replicated, "own": parts.own}
     folder = trainer.run_dir / "scale"
-    sync = SnapshotManager(folder / "sync", keep_last=1)
+    sync = DiskStore(folder / "sync", keep_last=1)
     timed("save", lambda i: sync.save(10_000 + i, state, extra, **shared))
-    background = SnapshotManager(folder / "async", keep_last=1, async_write=True)
+    background = DiskStore(folder / "async", keep_last=1, async_write=True)
 
     def save_async(i: int) -> None:
         background.save(10_000 + i, state, extra, **shared)

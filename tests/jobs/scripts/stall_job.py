@@ -145,7 +145,7 @@ if mode.startswith("trainer"):
 
     validating = mode in ("trainer-validation", "trainer-export")
     if mode == "trainer-export":
-        import ddpkit.snapshot._export as export
+        import ddpkit.training._validation as export
 
         save_weights = export.save_weights
 

@@ -14,7 +14,7 @@ import torch
 import ddpkit
 from ddpkit.snapshot._disk import (
     PER_RANK,
-    SnapshotManager,
+    DiskStore,
     SnapshotWriteError,
 )
 from tests.tmpfs import fill, small_tmpfs
@@ -24,7 +24,7 @@ def state(step: int) -> tuple[dict, dict]:
     return {"model": {"w": torch.full((4,), float(step))}}, {"step": step, "rng": torch.arange(3)}
 
 
-def load(ckpt: SnapshotManager, size: int = 4):
+def load(ckpt: DiskStore, size: int = 4):
     found = ckpt.latest(warn=lambda msg: None)
     sharded, extra = ckpt.load(found, lambda: {"model": {"w": torch.zeros(size)}})
     return found, sharded, extra
@@ -38,7 +38,7 @@ def test_a_crash_during_a_background_write_leaves_the_previous_snapshot(tmp_path
     code = textwrap.dedent(f"""
         import os, signal, torch
         import ddpkit._fs
-        from ddpkit.snapshot._disk import SnapshotManager
+        from ddpkit.snapshot._disk import DiskStore
         write = ddpkit._fs.write_atomic
         def dying(path, data, **kw):
             if path.name == "complete.json" and "00000006" in str(path):
@@ -46,7 +46,7 @@ def test_a_crash_during_a_background_write_leaves_the_previous_snapshot(tmp_path
                 os.kill(os.getpid(), signal.SIGKILL)
             write(path, data, **kw)
         ddpkit._fs.write_atomic = dying
-        ckpt = SnapshotManager({str(tmp_path)!r}, async_write=True)
+        ckpt = DiskStore({str(tmp_path)!r}, async_write=True)
         for step in (3, 6):
             model = {{"w": torch.full((1000,), float(step))}}
             ckpt.save(step, {{"model": model}}, {{"step": step}})
@@ -62,7 +62,7 @@ def test_a_crash_during_a_background_write_leaves_the_previous_snapshot(tmp_path
     )
     # the data was written: the kill was late
     assert (tmp_path / "step-00000006" / "__0_0.distcp").exists()
-    ckpt = SnapshotManager(tmp_path)
+    ckpt = DiskStore(tmp_path)
     found, sharded, _ = load(ckpt, size=1000)
     assert found.step == 3 and sharded["model"]["w"][0] == 3.0
 
@@ -79,8 +79,7 @@ def _fill_and_save(fs: str) -> list[str]:
         return {PER_RANK: {"model": {"w": torch.full((BIG,), float(step + rt.rank))}}}
 
     checkpointers = [
-        SnapshotManager(Path(fs) / f"async-{a}", group=rt.group, async_write=a)
-        for a in (False, True)
+        DiskStore(Path(fs) / f"async-{a}", group=rt.group, async_write=a) for a in (False, True)
     ]
     for ckpt in checkpointers:
         ckpt.save(3, state(3), {"step": 3})

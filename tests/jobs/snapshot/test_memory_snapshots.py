@@ -431,10 +431,10 @@ def _peers_job(roots: list[str], protocol: bool) -> tuple[int, bool]:
     if not protocol:
         original = memory_snapshots.MemoryStore.save_step
 
-        def save(self, snapshots):
+        def save(self, parts):
             self._leave_next = False
             if self.enabled:
-                original(self, snapshots)
+                original(self, parts)
                 self._leave_next = False
 
         memory_snapshots.MemoryStore.save_step = save  # type: ignore[method-assign]

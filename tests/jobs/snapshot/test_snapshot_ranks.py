@@ -18,7 +18,7 @@ from torch import nn
 import ddpkit
 from ddpkit._internals.versions import TORCH_VERSION
 from ddpkit.snapshot import _codec as codec
-from ddpkit.snapshot._disk import SnapshotManager
+from ddpkit.snapshot._disk import DiskStore
 from ddpkit.strategies import build_strategy
 from ddpkit.strategies._base import join_own
 from ddpkit.strategies._fsdp import FSDP_ON_CPU
@@ -83,8 +83,8 @@ def save_and_restore(folder: str) -> dict:
     for name in STRATEGIES:
         strategy = build(name, rt)
         train(strategy, rt.rank, 3, seed=0)
-        fixed = SnapshotManager(Path(folder) / name / "fixed", group=rt.group)
-        one_copy = SnapshotManager(Path(folder) / name / "one-copy", group=rt.group)
+        fixed = DiskStore(Path(folder) / name / "fixed", group=rt.group)
+        one_copy = DiskStore(Path(folder) / name / "one-copy", group=rt.group)
         fixed.save(3, strategy.state_dict(), {"step": 3}, replicated=strategy.replicated)
         # no per-rank part: one copy per key
         one_copy.save(3, join_own(strategy.state_dict()), {"step": 3})
@@ -108,7 +108,7 @@ def load_at_another_world_size(folder: str) -> dict:
     for name in STRATEGIES:
         strategy = build(name, rt)
         train(strategy, rt.rank, 1, seed=2)
-        ckpt = SnapshotManager(Path(folder) / name / "fixed", group=rt.group)
+        ckpt = DiskStore(Path(folder) / name / "fixed", group=rt.group)
         state, _ = ckpt.load(ckpt.latest(warn=print), strategy.state_dict)
         strategy.load_state_dict(state)
         out[name] = buffers(strategy)
@@ -160,7 +160,7 @@ def save_shared(folder: str, strategy_name: str, replicated: bool) -> dict:
     rt = ddpkit.init()
     strategy = build(strategy_name, rt)
     train(strategy, rt.rank, 3, seed=0)
-    ckpt = SnapshotManager(Path(folder), group=rt.group)
+    ckpt = DiskStore(Path(folder), group=rt.group)
     ckpt.save(3, strategy.state_dict(), {"step": 3}, replicated=replicated)
     saved = own_view(strategy)
     train(strategy, rt.rank, 2, seed=1)
@@ -210,7 +210,7 @@ def test_a_state_that_is_not_replicated_saved_as_one_loses_what_other_ranks_own(
 
 def load_with_a_wrong_shape_on_rank_1(folder: str) -> str:
     rt = ddpkit.init()
-    ckpt = SnapshotManager(Path(folder), group=rt.group)
+    ckpt = DiskStore(Path(folder), group=rt.group)
     ckpt.save(1, {"w": torch.arange(6.0)}, {}, replicated=True)
     shape = 7 if rt.rank == 1 else 6
     try:

@@ -177,7 +177,7 @@ def _several(run_dir: str, fed: bool) -> tuple[list[dict], str | None]:
     )  # fmt: skip
     trainer = Trainer({"g": g, "d": d}, optimizers, SleepyData(), config, step_fn=gan_step)
     if not fed:  # the step's phases go to timings that record nothing
-        trainer.train_step.timings = StepTimings(
+        trainer.train_step.observe.timings = StepTimings(
             nn.Linear(1, 1), torch.device("cpu"), enabled=False
         )
     trainer.fit()

@@ -112,7 +112,7 @@ def probe_gone(monkeypatch):
 def test_a_missing_compiler_probe_is_named_with_torchs_version_not_taken_for_no_compiler(
     probe_gone,
 ):
-    from ddpkit.training._trainer import compile_for_training
+    from ddpkit.training._step import compile_for_training
 
     with pytest.raises(ConfigError) as caught:
         compile_for_training(nn.Linear(2, 2), torch.device("cpu"))
@@ -129,7 +129,7 @@ def test_a_missing_compiler_probe_is_named_with_torchs_version_not_taken_for_no_
 def test_no_compiler_found_is_still_said_as_such(monkeypatch):
     """Control: where the probe is there and finds no compiler, the message is the one naming
     g++."""
-    from ddpkit.training._trainer import compile_for_training
+    from ddpkit.training._step import compile_for_training
 
     def none_found() -> str:
         raise RuntimeError("no C++ compiler")

@@ -21,7 +21,7 @@ from ddpkit.snapshot._disk import (
     INDEX,
     MARKER,
     VALUES,
-    SnapshotManager,
+    DiskStore,
     SnapshotWriteError,
 )
 from tests.tmpfs import fill, small_tmpfs
@@ -31,18 +31,18 @@ def state(step: int) -> tuple[dict, dict]:
     return {"model": {"w": torch.full((4,), float(step))}}, {"step": step, "rng": torch.arange(3)}
 
 
-def save(ckpt: SnapshotManager, step: int) -> None:
+def save(ckpt: DiskStore, step: int) -> None:
     ckpt.save(step, *state(step))
 
 
-def load(ckpt: SnapshotManager, size: int = 4):
+def load(ckpt: DiskStore, size: int = 4):
     found = ckpt.latest(warn=lambda msg: None)
     sharded, extra = ckpt.load(found, lambda: {"model": {"w": torch.zeros(size)}})
     return found, sharded, extra
 
 
 def test_layout_marker_and_pruning(tmp_path):
-    ckpt = SnapshotManager(tmp_path, keep_last=2)
+    ckpt = DiskStore(tmp_path, keep_last=2)
     for step in (3, 6, 9):
         save(ckpt, step)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000006", "step-00000009"]
@@ -60,7 +60,7 @@ def test_layout_marker_and_pruning(tmp_path):
 
 
 def test_a_damaged_file_is_named_and_the_snapshot_before_is_used(tmp_path):
-    ckpt = SnapshotManager(tmp_path, keep_last=3)
+    ckpt = DiskStore(tmp_path, keep_last=3)
     save(ckpt, 3)
     save(ckpt, 6)
     shard = tmp_path / "step-00000006" / "__0_0.distcp"
@@ -72,7 +72,7 @@ def test_a_damaged_file_is_named_and_the_snapshot_before_is_used(tmp_path):
 
 
 def test_a_folder_without_its_marker_does_not_count_and_is_cleared(tmp_path):
-    ckpt = SnapshotManager(tmp_path)
+    ckpt = DiskStore(tmp_path)
     save(ckpt, 3)
     save(ckpt, 6)
     (tmp_path / "step-00000006" / MARKER).unlink()  # what a write killed before its marker leaves
@@ -89,7 +89,7 @@ def _stray(snapshots, kind: str, other_run) -> str:
         shutil.copytree(snapshots / "step-00000002", stray, symlinks=True)
         return "records step 2"
     if kind == "link":  # to another run's snapshot
-        SnapshotManager(other_run, keep_last=3).save(2, *state(2))
+        DiskStore(other_run, keep_last=3).save(2, *state(2))
         stray.symlink_to(other_run / "step-00000002", target_is_directory=True)
         return "is a link"
     if kind == "unpadded":  # a copy given a name ddpkit never gives, its marker made to agree
@@ -109,7 +109,7 @@ def test_a_folder_named_like_a_newer_snapshot_that_is_not_one_is_never_loaded_no
     tmp_path, kind
 ):
     snapshots, other_run = tmp_path / "snapshots", tmp_path / "other-run"
-    ckpt = SnapshotManager(snapshots, keep_last=3)
+    ckpt = DiskStore(snapshots, keep_last=3)
     for step in (2, 4, 6):
         save(ckpt, step)
     named = _stray(snapshots, kind, other_run)
@@ -138,11 +138,11 @@ def test_a_folder_named_like_a_newer_snapshot_that_is_not_one_is_never_loaded_no
         "step-00000120",
     ]
     if kind == "link":  # never followed: the other run's snapshot is whole
-        assert SnapshotManager(other_run).latest(warn=warnings.append).step == 2 and not warnings
+        assert DiskStore(other_run).latest(warn=warnings.append).step == 2 and not warnings
 
 
 def test_a_marker_that_records_another_step_is_named_and_the_snapshot_before_is_used(tmp_path):
-    ckpt = SnapshotManager(tmp_path, keep_last=3)
+    ckpt = DiskStore(tmp_path, keep_last=3)
     save(ckpt, 3)
     save(ckpt, 6)
     marker = tmp_path / "step-00000006" / MARKER
@@ -157,7 +157,7 @@ def test_a_marker_that_records_another_step_is_named_and_the_snapshot_before_is_
 
 
 def test_a_partial_folder_of_any_step_is_cleared_without_a_warning(tmp_path):
-    ckpt = SnapshotManager(tmp_path, keep_last=3)
+    ckpt = DiskStore(tmp_path, keep_last=3)
     for step in (2, 4, 6):
         save(ckpt, step)
     for partial in ("step-00000005", "step-00000099"):  # a write killed before its marker
@@ -174,14 +174,14 @@ def test_a_partial_folder_of_any_step_is_cleared_without_a_warning(tmp_path):
 
 
 def test_async_save_writes_the_state_as_it_was_when_saved(tmp_path):
-    ckpt = SnapshotManager(tmp_path, async_write=True)
+    ckpt = DiskStore(tmp_path, async_write=True)
     sharded, extra = state(3)
     ckpt.save(3, sharded, extra)
     sharded["model"]["w"].add_(100.0)  # training goes on while the write runs
     ckpt.wait()
     assert torch.equal(load(ckpt)[1]["model"]["w"], torch.full((4,), 3.0))
     # Control: a write from the live tensors (no copy) would see the change.
-    live = SnapshotManager(tmp_path / "live")
+    live = DiskStore(tmp_path / "live")
     live.save(3, sharded, extra)
     assert load(live)[1]["model"]["w"][0] == 103.0
 
@@ -212,7 +212,7 @@ def reseal(folder) -> None:
 
 
 def test_a_crafted_dcp_index_is_never_unpickled(tmp_path):
-    ckpt = SnapshotManager(tmp_path / "snapshots")
+    ckpt = DiskStore(tmp_path / "snapshots")
     save(ckpt, 3)
     folder, ran = tmp_path / "snapshots" / "step-00000003", tmp_path / "ran"
     (folder / ".metadata").write_bytes(pickle.dumps(RunsCode(ran)))
@@ -250,7 +250,7 @@ def test_a_crafted_non_tensor_item_is_never_unpickled(tmp_path):
         )
     assert not ran.exists()
     # A snapshot whose index declares an item that is not a tensor is refused by name.
-    ckpt = SnapshotManager(tmp_path / "snapshots")
+    ckpt = DiskStore(tmp_path / "snapshots")
     save(ckpt, 3)
     folder = tmp_path / "snapshots" / "step-00000003"
     index = json.loads((folder / INDEX).read_text())
@@ -288,7 +288,7 @@ def test_a_crafted_non_tensor_item_is_never_unpickled(tmp_path):
     ],
 )
 def test_an_index_pointing_outside_its_folder_or_malformed_is_refused(tmp_path, change, refusal):
-    ckpt = SnapshotManager(tmp_path)
+    ckpt = DiskStore(tmp_path)
     save(ckpt, 3)
     folder = tmp_path / "step-00000003"
     index = json.loads((folder / INDEX).read_text())
@@ -300,7 +300,7 @@ def test_an_index_pointing_outside_its_folder_or_malformed_is_refused(tmp_path, 
 
 
 def test_a_trainer_state_holding_code_or_of_another_format_is_refused(tmp_path):
-    ckpt = SnapshotManager(tmp_path / "snapshots")
+    ckpt = DiskStore(tmp_path / "snapshots")
     save(ckpt, 3)
     folder, ran = tmp_path / "snapshots" / "step-00000003", tmp_path / "ran"
     good = (folder / VALUES).read_bytes()
@@ -345,7 +345,7 @@ BIG = 50_000  # floats: 200 kB, more than a file's write buffer, as real states 
 @pytest.mark.parametrize("async_write", [False, True], ids=["sync", "async"])
 def test_a_full_disk_is_named_and_the_previous_snapshot_stays_whole(tmp_path, async_write):
     with small_tmpfs(tmp_path / "fs", "1m") as fs:
-        ckpt = SnapshotManager(fs / "snapshots", async_write=async_write)
+        ckpt = DiskStore(fs / "snapshots", async_write=async_write)
         ckpt.save(3, {"model": {"w": torch.full((BIG,), 3.0)}}, {"step": 3})
         ckpt.wait()
         fill(fs, leave=BIG)  # room for part of the next snapshot
@@ -372,7 +372,7 @@ def test_a_full_disk_is_named_and_the_previous_snapshot_stays_whole(tmp_path, as
 
 
 def test_a_snapshot_folder_that_cannot_be_made_is_named(tmp_path):
-    ckpt = SnapshotManager(tmp_path)
+    ckpt = DiskStore(tmp_path)
     save(ckpt, 3)
     (tmp_path / "step-00000006").write_text("a file where the folder goes")
     with pytest.raises(
@@ -409,7 +409,7 @@ def test_shared_tensors_are_each_written_by_one_rank_with_the_bytes_spread_evenl
 
 
 def test_a_ranks_own_values_are_a_file_of_its_own_read_back_only_when_the_marker_lists_it(tmp_path):
-    ckpt = SnapshotManager(tmp_path / "snapshots")
+    ckpt = DiskStore(tmp_path / "snapshots")
     ckpt.save(3, *state(3), own={"streams": torch.arange(3), "seed": 7})
     found = ckpt.latest(warn=lambda msg: None)
     (own,) = ckpt.read_own(found, [0])

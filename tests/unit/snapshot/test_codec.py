@@ -34,11 +34,11 @@ import ddpkit
 from ddpkit._errors import ConfigError
 from ddpkit.snapshot import _codec as codec
 from ddpkit.snapshot import _codec as region
-from ddpkit.snapshot import _export as export
 from ddpkit.snapshot import _slots as ms
 from ddpkit.snapshot import _slots as mslot
-from ddpkit.snapshot._disk import SnapshotManager
+from ddpkit.snapshot._disk import DiskStore
 from ddpkit.snapshot._state import RankStreams, TrainState
+from ddpkit.training import _validation as export
 from tests.fuzz import examples
 
 SOME = examples(25, shrink=False)
@@ -308,7 +308,7 @@ def through_json(value: Any) -> Any:
 def through_disk(value: Any, folder: pathlib.Path) -> Any:
     """A world of one: rank 0's values (``extra``) and its own file (``own``), through the
     manager."""
-    ckpt = SnapshotManager(folder)
+    ckpt = DiskStore(folder)
     try:
         ckpt.save(1, {"model": {"w": torch.ones(2)}}, {"x": value}, own={"cb": value})
     except ConfigError:
@@ -541,7 +541,7 @@ def test_only_containers_count_toward_the_depth_limit(leaf):
 
 
 def test_a_disk_snapshot_refused_at_save_writes_nothing_and_leaves_the_previous_whole(tmp_path):
-    ckpt = SnapshotManager(tmp_path)
+    ckpt = DiskStore(tmp_path)
     ckpt.save(1, {"model": {"w": torch.ones(2)}}, {"step": 1}, own={"cb": [1]})
     with pytest.raises(ConfigError, match=r"cannot hold own.cb\[1\], a .*Point"):
         ckpt.save(2, {"model": {"w": torch.ones(2)}}, {"step": 2}, own={"cb": [1, Point(2)]})
@@ -679,7 +679,7 @@ def test_a_ranks_own_value_the_codec_refuses_is_left_for_the_snapshot_to_refuse_
 ):
     """Refused in ``mine()``, a bad value would stop this rank alone, the others left waiting in
     the snapshot's collectives; it is left as it is, and the snapshot refuses it on every rank,
-    naming it (``SnapshotManager._check_values``)."""
+    naming it (``DiskStore._check_values``)."""
     for bad in (torch.empty(2, device="meta"), collections.defaultdict(lambda: 0)):
         streams = RankStreams(
             ddpkit.get_runtime(), torch.Generator(), 0, TrainState(), own={"p": _Part([1, bad])}
@@ -687,7 +687,7 @@ def test_a_ranks_own_value_the_codec_refuses_is_left_for_the_snapshot_to_refuse_
         own = streams.mine()["own"]
         assert own["p"]["v"][1] is bad
         with pytest.raises(ConfigError, match=r"cannot hold own.p.v\[1\]"):
-            SnapshotManager(tmp_path).save(1, {"model": {"w": torch.ones(2)}}, {}, own=own)
+            DiskStore(tmp_path).save(1, {"model": {"w": torch.ones(2)}}, {}, own=own)
 
 
 @SOME

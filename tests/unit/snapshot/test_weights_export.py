@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddpkit.snapshot import _export as export
+from ddpkit.training import _validation as export
 
 
 class TiedLM(nn.Module):

@@ -16,8 +16,8 @@ from torch import nn
 import ddpkit
 from ddpkit._errors import ConfigError
 from ddpkit.snapshot import _codec as codec
-from ddpkit.snapshot import _run_record as run_record
-from ddpkit.snapshot._run_record import RunRecord, module_types, tensor_shapes
+from ddpkit.snapshot import _run_dir as run_record
+from ddpkit.snapshot._run_dir import RunRecord, module_types, tensor_shapes
 from ddpkit.training._config import LoggingConfig
 from ddpkit.training._trainer import TrainerConfig
 
@@ -210,7 +210,7 @@ def test_a_setting_that_saves_resumes_in_any_process():
         "import json, sys, torch\n"
         "from torch import nn\n"
         "from ddpkit.snapshot import _codec as codec\n"
-        "from ddpkit.snapshot._run_record import RunRecord\n"
+        "from ddpkit.snapshot._run_dir import RunRecord\n"
         "from ddpkit.training._trainer import TrainerConfig\n"
         "opt = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)\n"
         "opt.param_groups[0].update(tags={'encoder', 'decoder', 'head', 'lora', 'frozen'},\n"

@@ -361,7 +361,7 @@ def test_the_nested_configs_refuse_bad_values_naming_them(build, flag):
 
 
 def test_a_fresh_run_replaces_a_stale_best_and_a_resumed_one_keeps_it(tmp_path):
-    from ddpkit.snapshot._export import BestWeights
+    from ddpkit.training._validation import BestWeights
 
     path = tmp_path / "best.pt"
     model = torch.nn.Linear(2, 2)
