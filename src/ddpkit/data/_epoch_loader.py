@@ -163,7 +163,8 @@ class _CountedIterator:
         return self
 
     def __len__(self) -> int:
-        return len(self.batches)  # type: ignore[arg-type]  # the DataLoader's iterator has one
+        """The batches this pass hands over in all (the loader's own length is its epoch's)."""
+        return self.sampler.steps_per_epoch - self.first
 
     def __next__(self) -> Any:
         progress.mark(Phase.DATA)  # for the launcher's stall watch
