@@ -26,9 +26,9 @@ class _AllGatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, row: torch.Tensor, group: Group) -> torch.Tensor:
         ctx.group, ctx.rank = group, dist.get_rank(group)
-        rows = row.new_empty(dist.get_world_size(group) * row.numel())
-        dist.all_gather_into_tensor(rows, row.contiguous(), group=group)
-        return rows.view(-1, row.numel())
+        rows = row.new_empty((dist.get_world_size(group), row.numel()))
+        dist.all_gather(list(rows.unbind(0)), row.contiguous(), group=group)  # rows of one buffer
+        return rows
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
