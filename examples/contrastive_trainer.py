@@ -24,7 +24,7 @@ from contrastive import (  # noqa: E402  (the hand-written loop's model and loss
     Contrastive,
     TwoViews,
     info_nce,
-    nearest_neighbour_accuracy,
+    retrieval_accuracy,
 )
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -56,7 +56,6 @@ trainer = Trainer(
     batch_loss_fn=lambda model, views: info_nce(*model(*views)),
 )
 trainer.fit()
-encoder = ddpkit.unwrap(trainer.model).encoder
-accuracy = nearest_neighbour_accuracy(encoder, train, test, rt.device)
-ddpkit.print0(f"nearest-neighbour accuracy: {accuracy:.4f} ({len(test)} test images)")
+accuracy = retrieval_accuracy(ddpkit.unwrap(trainer.model), test.tensors[0], rt.device)
+ddpkit.print0(f"retrieval accuracy: {accuracy:.4f} ({len(test)} test images)")
 ddpkit.shutdown()
