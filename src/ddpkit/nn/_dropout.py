@@ -171,8 +171,9 @@ def _attention(
     if masked is not None:
         scores = scores.masked_fill(masked, float("-inf"))
     weights = torch.softmax(scores, dim=-1)
-    if masked is not None:  # a query that sees no key attends to nothing (torch's reference: 0)
-        weights = weights.masked_fill(masked.all(-1, keepdim=True), 0.0)
+    if masked is not None or attn_mask is not None:
+        # a query that sees no key attends to nothing (torch's: 0, where softmax gives NaN)
+        weights = weights.masked_fill(scores.isneginf().all(-1, keepdim=True), 0.0)
     return _masked(weights, dropout_p, ATTENTION, 0) @ value
 
 

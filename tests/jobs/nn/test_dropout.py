@@ -221,6 +221,34 @@ def test_attention_dropout_follows_the_layout_whatever_the_padding():
     assert torch.equal(whole, attend(slice(0, 8), 10, 0))
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"is_causal": True}, {"mask": "bool"}, {"mask": "float"}, {"scale": 0.3},
+     {"enable_gqa": True}, {"mask": "a row of nothing"}, {"mask": "a float row of nothing"}],
+    ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()) or "plain",
+)  # fmt: skip
+def test_attention_under_the_layout_computes_what_torchs_attention_computes(kwargs):
+    # Its dropout aside (p = 1e-12 drops no weight), the attention of the layout is torch's: masks,
+    # causal, scale, grouped-query heads, and a query that sees no key (torch's reference: 0).
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(4, 4, 5, 8, generator=g)
+    kv_heads = 2 if kwargs.get("enable_gqa") else 4
+    k, v = (torch.randn(4, kv_heads, 6, 8, generator=g) for _ in "kv")
+    given = {key: value for key, value in kwargs.items() if key != "mask"}
+    mask = kwargs.get("mask")
+    if mask is not None:
+        keep = torch.rand(4, 1, 5, 6, generator=g) > 0.3
+        if mask == "a row of nothing":
+            keep[0, 0, 2] = False
+        given["attn_mask"] = (
+            keep if mask != "float" else torch.zeros(4, 1, 5, 6).masked_fill(~keep, float("-inf"))
+        )
+    expected = F.scaled_dot_product_attention(q, k, v, **given)
+    with batch_layout(BatchLayout(global_size=4, offset=0, key=1, size=4)):
+        got = F.scaled_dot_product_attention(q, k, v, dropout_p=1e-12, **given)
+    assert torch.allclose(got, expected, atol=1e-6)
+
+
 def test_alpha_dropout_and_a_flattened_batch_are_refused_at_the_call():
     q = torch.randn(4, 2, T, 8)
     layout = BatchLayout(global_size=8, offset=4, key=7, size=4)
