@@ -158,3 +158,24 @@ def test_a_correct_relu_cnn_passes_every_seed_and_a_per_rank_lr_fails_every_seed
         assert code == 1 and "UNEXPLAINED" in report, f"seed {seed}\n{report}"
     print(f"\nfloat32 differences by seed: {in_float32}")
     assert sum(d > 1e-4 for d in in_float32) >= 1, in_float32
+
+
+LM_TINY = ("--max-chars", "20000", "--val-chars", "4000", "--layers", "1", "--width", "32")
+
+
+@pytest.mark.slow
+def test_the_language_model_example_passes_as_it_runs_and_a_rank_of_its_own_fails(
+    tmp_path, monkeypatch
+):
+    # examples/lm.py as it is: per-token losses (count_fn), 2 micro-batches a step, a warm-up
+    # stepped by the Trainer, clipping.
+    monkeypatch.chdir(tmp_path)
+    code, report = _report(ROOT / "examples" / "lm.py", *LM_TINY)
+    assert code == 0 and "OK: 2 ranks train the same model as one process" in report, report
+    # Control: each rank its own learning rate.
+    script = tmp_path / "lm.py"
+    text = (ROOT / "examples" / "lm.py").read_text()
+    script.write_text(text.replace("    lr=args.lr,\n", "    lr=args.lr * (1 + rt.rank),\n"))
+    assert script.read_text() != text
+    code, report = _report(script, *LM_TINY)
+    assert code == 1 and "UNEXPLAINED" in report, report
