@@ -136,6 +136,7 @@ def gather_values(values: Mapping[str, Any], group: Group = None) -> list[dict[s
     return [_unflatten(row, host) for row in table]
 
 
+@checked_arguments
 def gather_tensors(
     tensor: torch.Tensor, group: Group = None, *, grad: bool = False
 ) -> torch.Tensor:
