@@ -551,10 +551,10 @@ def _check(cfg: CheckConfig) -> tuple[int, list[str]]:
     shown = Verdict(compare(shown_ranks, reference), compare(reference, reference))
     lines = [
         f"ddpkit check: {cfg.script or w.name}: 1 process (batch {global_batch}) vs {cfg.nproc} "
-        f"ranks (batch {w.batch_size} each, gloo), {cfg.steps} steps, tolerance {cfg.rtol:g} "
-        "relative"
+        f"ranks (batch {w.batch_size} each, gloo){_micro(w)}, {cfg.steps} steps, tolerance "
+        f"{cfg.rtol:g} relative"
         + (
-            f" (in float64: {judged.tol.floor:.1e}, or {REACH} x rounding's reach)"
+            f" (in float64: {judged.tol.floor:.1e} or {REACH} x rounding's reach, the larger)"
             if judged.exact
             else ""
         ),
@@ -595,6 +595,12 @@ def _check(cfg: CheckConfig) -> tuple[int, list[str]]:
         again = one_process(fixes, exact=judged.exact) if repeat else one
         verdicts.append(Verdict(compare(dist_run, one), compare(again, one)))
     return _verdict(cfg, keys, verdicts, base_ranks, [*lines, *refused], judged, bool(refused))
+
+
+def _micro(w: Workload) -> str:
+    """A Trainer's micro-batches a step, where there are several."""
+    accum = w.trainer.given["config"].grad_accum_steps if w.trainer is not None else 1
+    return f", {accum} micro-batches a step" if accum > 1 else ""
 
 
 def _on_ranks(cfg: CheckConfig, runs: list[Setup]) -> list[dict[str, Any]]:
@@ -766,7 +772,8 @@ def _table(
 OPTIONS = [
     argument("--nproc", type=int, default=2, help="ranks of the distributed run (default 2)"),
     argument("--steps", type=int, default=4, help="optimizer steps compared (default 4)"),
-    argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)"),
+    argument("--rtol", type=float, default=1e-4, help="relative tolerance in float32's terms "
+             "(default 1e-4; the runs are judged in float64, with it times 2**-29)"),
     argument("--seed", type=int, default=0),
     argument("script", nargs="?", help=f"a training script that defines {HOOK}() or builds a "
              "ddpkit.Trainer, or a built-in workload: " + ", ".join(BUILTINS)),
