@@ -40,7 +40,8 @@ class EpochLoader(DataLoader):
     iteration has handed over its last batch (the workers read the sampler ahead of the batches):
     an iterator left before (a peek, a ``break``) leaves the sampler where it was. Each ``next()``
     marks the stall watch's phases. :meth:`state_dict`: where the loop stands, with the data's
-    fingerprint (:mod:`ddpkit.data._fingerprint`).
+    fingerprint (:mod:`ddpkit.data._fingerprint`). ``len(loader)``: the epoch's batches, also where
+    a pass starts inside the epoch (:attr:`batch_in_epoch`).
     """
 
     def __init__(self, *args: Any, on_data_change: OnDataChange = "error", **kwargs: Any) -> None:
@@ -161,7 +162,8 @@ class _CountedIterator:
         return self
 
     def __len__(self) -> int:
-        return len(self.batches)  # type: ignore[arg-type]  # the DataLoader's iterator has one
+        """The batches this pass hands over in all (the loader's own length is its epoch's)."""
+        return self.sampler.steps_per_epoch - self.first
 
     def __next__(self) -> Any:
         progress.mark(Phase.DATA)  # for the launcher's stall watch

@@ -197,7 +197,10 @@ class ShardedBatchSampler(Sampler[list[int]]):
         return -(-self._cursor // self.global_batch_size)
 
     def __len__(self) -> int:
-        return max(0, self.steps_per_epoch - self._first_step())
+        """The epoch's steps (a batch each), also after :meth:`set_position` inside it, where an
+        iteration yields those left: a loop numbering its batches from ``loader.batch_in_epoch``
+        ends at ``len(loader) - 1``."""
+        return self.steps_per_epoch
 
     def __iter__(self) -> Iterator[list[int]]:
         token, epoch, first_step = self.position_token(), self.epoch, self._first_step()

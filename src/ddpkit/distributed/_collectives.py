@@ -6,7 +6,7 @@ from __future__ import annotations
 import pickle
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -129,13 +129,44 @@ def gather_values(values: Mapping[str, Any], group: Group = None) -> list[dict[s
     return [_unflatten(row, host) for row in table]
 
 
-def gather_tensors(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
-    """Concatenate every rank's ``tensor`` along dim 0 in rank order (lengths may differ)."""
+@checked_arguments
+def gather_tensors(
+    tensor: torch.Tensor, group: Group = None, *, grad: bool = False
+) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along dim 0 in rank order (lengths may differ).
+
+    ``grad=True``: the result carries gradients back to each rank's ``tensor`` (a contrastive loss
+    whose negatives are every rank's embeddings): a row's gradient is the sum over the ranks of
+    their losses' gradients of it, so that under DDP's mean of the ranks' gradients a loss that is
+    each rank's mean over its own rows trains what one process trains on the whole batch. A
+    collective in the backward too: every rank must run it. Else the result is detached."""
     if not is_live(group):
         return tensor
     with _watched("gather_tensors", group):
+        if grad:
+            return cast(torch.Tensor, _GatherWithGrad.apply(tensor, group))
         local = tensor.detach().to(comm_device(group))
         return torch.cat(_all_gather_uneven(local, group)).to(tensor.device)
+
+
+class _GatherWithGrad(torch.autograd.Function):
+    """:func:`gather_tensors` with ``grad=True``: the backward all-reduces the gathered batch's
+    gradient (every rank's loss's share of each row) and keeps this rank's rows."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: Group) -> torch.Tensor:
+        chunks = _all_gather_uneven(tensor.detach().to(comm_device(group)), group)
+        rank = dist.get_rank(group)
+        ctx.group, ctx.device = group, tensor.device
+        ctx.rows = (sum(len(c) for c in chunks[:rank]), len(chunks[rank]))
+        return torch.cat(chunks).to(tensor.device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        summed = grad.to(comm_device(ctx.group), copy=True).contiguous()  # not the caller's tensor
+        dist.all_reduce(summed, group=ctx.group)
+        start, n = ctx.rows
+        return summed[start : start + n].to(ctx.device), None
 
 
 def _all_gather_uneven(local: torch.Tensor, group: Group) -> list[torch.Tensor]:

@@ -1,7 +1,8 @@
 """Batch normalisation over the global batch on every backend: ``torch.nn.SyncBatchNorm`` runs on
-CUDA only, so elsewhere one differentiable all-reduce of each channel's sum, sum of squares and
-count gives the global mean and variance (its backward all-reduces the statistics' gradients, so
-each rank's input gradient holds every rank's terms)."""
+CUDA only, so elsewhere each rank's count, mean and sum of squared deviations per channel, gathered
+with their gradients, give the global mean and variance by Chan's combination, as torch's own
+gathers and combines them (the backward all-reduces the statistics' gradients, so each rank's input
+gradient holds every rank's terms)."""
 
 from __future__ import annotations
 
@@ -17,19 +18,23 @@ from ddpkit.distributed import Group
 from ddpkit.distributed._runtime import is_live
 
 
-class _AllReduceSum(torch.autograd.Function):
+class _AllGatherRows(torch.autograd.Function):
+    """Every rank's row (one shape on every rank), stacked in rank order; the backward all-reduces
+    the stack's gradient (every rank's terms of each row) and keeps this rank's row. One collective
+    each way, as an all-reduce of sums would take."""
+
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        out = tensor.clone()
-        dist.all_reduce(out, group=group)
-        return out
+    def forward(ctx: Any, row: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group, ctx.rank = group, dist.get_rank(group)
+        rows = row.new_empty((dist.get_world_size(group), row.numel()))
+        dist.all_gather(list(rows.unbind(0)), row.contiguous(), group=group)  # rows of one buffer
+        return rows
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        summed = grad.contiguous().clone()
+        dist.all_reduce(summed, group=ctx.group)
+        return summed[ctx.rank], None
 
 
 class CPUSyncBatchNorm(BatchNormBase):
@@ -52,15 +57,19 @@ class CPUSyncBatchNorm(BatchNormBase):
         ):
             return super().forward(input)
         dims = [0, *range(2, input.dim())]
-        x64 = input.double()  # E[x^2] - E[x]^2 loses digits in float32 when the mean is large
-        local = torch.cat(
-            [x64.sum(dims), (x64 * x64).sum(dims), x64.new_tensor([input.numel() / input.shape[1]])]
-        )
-        total = _AllReduceSum.apply(local, self.process_group)
-        c = self.num_features
-        count = total[-1]
-        mean = total[:c] / count
-        var = total[c : 2 * c] / count - mean * mean
+        c, shape = self.num_features, (1, self.num_features) + (1,) * (input.dim() - 2)
+        # In float64, and by squared deviations from each rank's own mean: E[x^2] - E[x]^2 loses
+        # the digits of mean^2 / var, which float64 inputs have none of to spare.
+        x64 = input.double()
+        n = x64.new_full((1,), input.numel() / c)
+        local_mean = x64.mean(dims)
+        squares = (x64 - local_mean.reshape(shape)).square().sum(dims)
+        every = _AllGatherRows.apply(torch.cat([n, local_mean, squares]), self.process_group)
+        counts, means, squares = every[:, :1], every[:, 1 : c + 1], every[:, c + 1 :]
+        count = counts.sum()
+        mean = (counts * means).sum(0) / count
+        # Chan et al.: the ranks' sums of squares, and each rank's mean's deviation from the mean
+        var = (squares.sum(0) + (counts * (means - mean).square()).sum(0)) / count
         if self.track_running_stats:
             running_mean, running_var = self.running_mean, self.running_var
             tracked = self.num_batches_tracked
@@ -72,7 +81,6 @@ class CPUSyncBatchNorm(BatchNormBase):
                 unbiased = var * count / (count - 1).clamp(min=1)
                 running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
                 running_var.mul_(1 - factor).add_(unbiased.to(running_var.dtype), alpha=factor)
-        shape = (1, c) + (1,) * (input.dim() - 2)
         inv_std = torch.rsqrt(var + self.eps).to(input.dtype).reshape(shape)
         out = (input - mean.to(input.dtype).reshape(shape)) * inv_std
         if self.affine:

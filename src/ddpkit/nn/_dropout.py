@@ -1,9 +1,11 @@
 """Dropout whose masks do not depend on how the global batch is split over ranks: inside
-:func:`batch_layout` every dropout (a :class:`GlobalBatchDropout`, and each functional dropout the
-forward calls, through a :class:`~torch.overrides.TorchFunctionMode`) draws the whole global
-micro-batch's mask from a key every rank shares and keeps its own rows, so a sample gets the same
-mask at any world size. Dropout drawn out of reach (an attention kernel's ``dropout_p``, alpha
-dropout) is refused, naming it.
+:func:`batch_layout` every dropout (a :class:`GlobalBatchDropout`, each functional dropout the
+forward calls, and ``scaled_dot_product_attention(dropout_p=...)``'s attention dropout, through a
+:class:`~torch.overrides.TorchFunctionMode`) keeps an element by a hash of a key every rank shares,
+the sample's place in the global batch and the element's coordinates in the sample. A sample gets
+the same mask at any world size, whatever length its rank's batch is padded to (padding at the end
+of a dimension, as a collate function pads). Dropout out of reach (``nn.MultiheadAttention``'s,
+alpha dropout) is refused, naming it (:class:`DropoutRefused`).
 """
 
 from __future__ import annotations
@@ -40,9 +42,17 @@ _layout: BatchLayout | None = None
 _calls: dict[int, int] = {}
 
 
+class DropoutRefused(ConfigError):
+    """A dropout global-batch dropout cannot draw for the global batch (the module, the call and
+    the way out named)."""
+
+
 FUNCTIONAL = -1
 """The layer id of the dropouts a forward calls through ``torch.nn.functional``."""
+ATTENTION = -2
+"""The layer id of ``scaled_dot_product_attention``'s attention dropout."""
 _CHANNELS = {F.dropout1d: 2, F.dropout2d: 3, F.dropout3d: 4}  # the input's dims with a batch
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
 @contextmanager
@@ -105,8 +115,8 @@ def global_batch(loader: Any, accum_steps: int = 1) -> Iterator[None]:
 
 
 class _Dropouts(TorchFunctionMode):
-    """Functional dropout inside :func:`batch_layout` follows the layout; what draws its own mask
-    out of reach is refused."""
+    """Functional dropout and attention dropout inside :func:`batch_layout` follow the layout; what
+    draws its own mask out of reach is refused."""
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -121,22 +131,85 @@ class _Dropouts(TorchFunctionMode):
                 out = _masked(got["input"], p, FUNCTIONAL, 0, channels=func in _CHANNELS)
                 return got["input"].copy_(out) if got.get("inplace") else out
         elif func is F.scaled_dot_product_attention:
-            p = (args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)) or 0.0
-            if p > 0:
-                raise ConfigError(
-                    f"scaled_dot_product_attention(dropout_p={p}) draws its attention dropout "
-                    "inside the kernel, per rank, which global-batch dropout cannot reach: pass "
-                    "dropout_p=0.0 (or nn.MultiheadAttention(dropout=0.0)), or turn "
-                    "global_batch_dropout off"
-                )
+            got = dict(zip(_SDPA_ARGS, args)) | kwargs
+            if float(got.get("dropout_p") or 0.0) > 0:
+                return _attention(**got)
         elif func in (F.alpha_dropout, F.feature_alpha_dropout):
             got = dict(zip(("input", "p", "training"), args)) | kwargs
             if got.get("training", False) and float(got.get("p", 0.5)) > 0:
-                raise ConfigError(
+                raise DropoutRefused(
                     f"{func.__name__} is not covered by global-batch dropout: use dropout, or turn "
                     "global_batch_dropout off"
                 )
         return func(*args, **kwargs)
+
+
+def _attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``scaled_dot_product_attention`` as torch's reference computes it (softmax of the scaled
+    scores, masked, times the values), its attention weights dropped by the layout's masks: the
+    sample's (head, query, key) elements, wherever its rank's batch pads."""
+    if enable_gqa:  # grouped-query attention: each key and value head serves a group of queries
+        repeat = query.size(-3) // key.size(-3)
+        key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
+    scale = query.size(-1) ** -0.5 if scale is None else scale
+    scores = query @ key.transpose(-2, -1) * scale
+    masked = None
+    if is_causal:  # aligned at the top left, as torch's reference aligns it
+        upper = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
+        masked = upper
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        masked = ~attn_mask if masked is None else masked | ~attn_mask
+    elif attn_mask is not None:
+        scores = scores + attn_mask
+    if masked is not None:
+        scores = scores.masked_fill(masked, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    if masked is not None or attn_mask is not None:
+        # a query that sees no key attends to nothing (torch's: 0, where softmax gives NaN)
+        weights = weights.masked_fill(scores.isneginf().all(-1, keepdim=True), 0.0)
+    return _masked(weights, dropout_p, ATTENTION, 0) @ value
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    """``h *= c`` modulo 2**32 for ``h`` in [0, 2**32) and ``c`` < 2**32, in int64 without overflow:
+    ``h``'s low and high 16 bits multiplied apart. In place (a mask's size in a few passes)."""
+    high = (h >> 16).mul_(c).bitwise_and_(0xFFFF).bitwise_left_shift_(16)
+    return h.bitwise_and_(0xFFFF).mul_(c).add_(high).bitwise_and_(_M32)
+
+
+def _mix(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser, in place: a bijection of [0, 2**32) whose every output bit
+    depends on every input bit."""
+    h.bitwise_xor_(h >> 16)
+    _mul32(h, 0x85EBCA6B)
+    h.bitwise_xor_(h >> 13)
+    _mul32(h, 0xC2B2AE35)
+    return h.bitwise_xor_(h >> 16)
+
+
+def _keep(shape: list[int], dim: int, first_row: int, seed: int, p: float, device: Any) -> Any:
+    """Which elements of a tensor of ``shape`` dropout keeps (probability ``1 - p``): a hash of
+    ``seed``, each element's sample (its row at ``dim``, counted from the global batch's
+    ``first_row``) and its coordinates at the other dimensions, one dimension after another, so that
+    an element's draw does not depend on the sizes of the dimensions (a padded length)."""
+    h = torch.tensor(seed & _M32, dtype=torch.int64, device=device)
+    for d, size in enumerate(shape):
+        at = torch.arange(size, dtype=torch.int64, device=device) + (first_row if d == dim else 0)
+        at = at.view([size if e == d else 1 for e in range(len(shape))])
+        h = _mix(h ^ (at & _M32))  # a new tensor, broadcast: full size at the last dimension only
+    return h >= round(p * 2**32)
 
 
 def _masked(
@@ -147,7 +220,7 @@ def _masked(
     layout = _layout
     assert layout is not None
     if not -input.dim() <= dim < input.dim():
-        raise ConfigError(
+        raise DropoutRefused(
             f"dropout (layer_id={layer_id}, batch_dim={dim}) got an input of shape "
             f"{tuple(input.shape)}, which has no dimension {dim}: give the batch's dimension as "
             "batch_dim"
@@ -158,22 +231,23 @@ def _masked(
         where = f"GlobalBatchDropout(layer_id={layer_id})"
         if layer_id == FUNCTIONAL:
             where = "a functional dropout"
-        raise ConfigError(
+        elif layer_id == ATTENTION:
+            where = "scaled_dot_product_attention's attention dropout"
+        raise DropoutRefused(
             f"{where} got an input of shape {tuple(input.shape)} whose size at batch_dim={dim} is "
             f"{n}, where this rank's micro-batch has {expected} samples: for sequence-first "
             "tensors (seq, batch, ...) pass batch_dim=1 (convert_dropout(model, batch_dim=1), or "
-            "build GlobalBatchDropout(p, layer_id, batch_dim=1) in the model)"
+            "build GlobalBatchDropout(p, layer_id, batch_dim=1) in the model); the samples must "
+            "have a dimension of their own (not flattened with the tokens, nor with the heads)"
         )
     call = _calls.get(layer_id, 0)  # a layer applied twice in one forward draws two masks
     _calls[layer_id] = call + 1
-    g = torch.Generator(device=input.device)
-    g.manual_seed(mix_seed(layout.key, layer_id, call))  # the same on every rank
     shape = list(input.shape[:2] if channels else input.shape)
-    shape[dim] = layout.global_size
-    keep = torch.rand(shape, generator=g, device=input.device).narrow(dim, layout.offset, n)
+    dim = dim % input.dim()
+    keep = _keep(shape, dim, layout.offset, mix_seed(layout.key, layer_id, call), p, input.device)
     if channels:
         keep = keep.reshape(*keep.shape, *([1] * (input.dim() - 2)))
-    return input * (keep >= p).to(input.dtype) / (1 - p)
+    return input * keep.to(input.dtype) / (1 - p)
 
 
 class GlobalBatchDropout(nn.Dropout):
@@ -209,7 +283,7 @@ def convert_dropout(module: nn.Module, batch_dim: int = 0) -> nn.Module:
         elif isinstance(m, (nn.AlphaDropout, nn.FeatureAlphaDropout)) and m.p > 0:
             missed.append(f"{where} ({type(m).__name__}: use nn.Dropout)")
     if missed:
-        raise ConfigError(
+        raise DropoutRefused(
             "global-batch dropout cannot cover the dropout of " + "; ".join(missed) + "; or turn "
             "global_batch_dropout off"
         )

@@ -193,7 +193,9 @@ class FiniteCheck:
 
     def _any_non_finite(self, device: torch.device, group: list[torch.Tensor]) -> bool:
         if device not in self._flags:
-            self._flags[device] = (torch.zeros(1, device=device), torch.ones(1, device=device))
+            # float32 whatever the default dtype: the fused check takes no other
+            zero, one = (torch.full((1,), v, dtype=torch.float32, device=device) for v in (0, 1))
+            self._flags[device] = (zero, one)
         flag, one = self._flags[device]
         try:
             return any_non_finite(group, flag, one)

@@ -297,7 +297,7 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     # DDP's constructor imports torch._dynamo (seconds): imported once before the forks
     import_dynamo()
     w = load_workload(cfg.script)  # bad input fails here, not inside every rank
-    if w.trainer is not None:
+    if w.trainer is not None and w.trainer.given.get("step_fn") is not None:
         raise ConfigError(
             f"{cfg.script}: its Trainer has a step_fn (several models and optimizers), and `ddpkit "
             f"bench` times one model's step: define {HOOK}() returning a ddpkit.tools.Workload of "

@@ -1,6 +1,8 @@
 """``ddpkit check``: do N ranks train the same model as one process on the same global batch? If
 not, why? Each known cause has a switch that removes it; a cause is named when the mismatch comes
-back without its switch (docs/bench-and-check.md).
+back without its switch. A Trainer script is run as its Trainer (its config, scheduler, loss);
+rounding is told from a real difference by the runs again in float64, where rounding is 2**-29 of
+float32's (docs/bench-and-check.md).
 """
 
 from __future__ import annotations
@@ -9,19 +11,19 @@ import contextlib
 import functools
 import io
 import itertools
-import math
 import sys
 import tempfile
 import traceback
-from collections.abc import Iterable, Iterator, Sequence, Sized
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from contextlib import nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.overrides import TorchFunctionMode
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError, check_types
@@ -34,16 +36,21 @@ from ddpkit.distributed._collectives import all_gather_object, broadcast_object
 from ddpkit.distributed._runtime import get_runtime, init
 from ddpkit.distributed._seeding import mix_seed, seed_everything
 from ddpkit.distributed._spawn import spawn
-from ddpkit.nn._dropout import BatchLayout, batch_layout, convert_dropout
+from ddpkit.nn._dropout import BatchLayout, DropoutRefused, batch_layout, convert_dropout
+from ddpkit.strategies import DDPConfig, strategy_config
 from ddpkit.strategies._prepare import prepare_model, unwrap
+from ddpkit.tools._compare import (
+    EXACT,
+    QUANTITIES,
+    REACH,
+    Tolerance,
+    Verdict,
+    compare,
+)
 from ddpkit.tools._workload import BUILTINS, HOOK, MAX_STEPS, Workload, load_workload
 
 SCRIPT_FAILED = 3
 """The exit code when the script raised (0: the runs agree; 1: they differ; 2: bad options)."""
-QUANTITIES = ("loss", "grad", "weights")
-# A parameter whose gradient is this small next to the whole gradient gets only rounding noise (a
-# bias BatchNorm cancels), which Adam turns into full-size steps: left out of the weights.
-SILENT_GRADIENT = 1e-6
 
 
 @dataclass(kw_only=True)
@@ -59,7 +66,9 @@ class CheckConfig:
     steps: int = 4
     """Optimizer steps compared."""
     rtol: float = 1e-4
-    """Relative difference (``|a - b| / |b|`` over a whole tensor) beyond which two runs differ."""
+    """Relative difference (``|a - b| / |b|`` over a whole tensor) beyond which two runs differ, in
+    float32 units: the runs are judged in float64 with ``rtol * EXACT`` (in the script's own
+    arithmetic with ``rtol`` where float64 cannot run it)."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -144,13 +153,13 @@ CAUSES: tuple[Cause, ...] = (
     ),
 )
 _KEYS = tuple(c.key for c in CAUSES)
-STEP_FN_KEYS = ("batchnorm", "dropout", "augmentation", "initial_state", "nondeterminism")
-"""The switches a step_fn Trainer's check turns: its config's ``sync_batchnorm``,
-``global_batch_dropout`` and ``seed_samples``, a broadcast, deterministic algorithms."""
+TRAINER_KEYS = ("batchnorm", "dropout", "augmentation", "initial_state", "nondeterminism")
+"""The switches a Trainer's check turns: its config's ``sync_batchnorm``, ``global_batch_dropout``
+and ``seed_samples``, a broadcast, deterministic algorithms; and ``find_unused_parameters`` in its
+``ddp`` strategy (not a step_fn's, whose models' DDP options are the script's)."""
 NOT_SWITCHED = (
-    "not switched for a step_fn Trainer: data order (its sampler already slices the global batch), "
-    "uneven means (step.backward already weighs each micro-batch by its share), unused parameters "
-    "(its models' DDP options are the script's)"
+    "not switched for a Trainer: data order (its sampler already slices the global batch), uneven "
+    "means (it weighs each micro-batch by its share)"
 )
 
 
@@ -167,100 +176,6 @@ class SampleSeeded(Dataset):
 
     def __getitem__(self, index: int) -> Any:
         return self.seeder.load([(self.epoch, index)], self.dataset.__getitem__, [index])[0]
-
-
-def _rel(a: Any, b: Any) -> float:
-    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
-    if a.shape != b.shape:
-        return math.inf
-    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-        return 0.0 if torch.equal(a.nan_to_num(), b.nan_to_num()) else math.inf
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-@dataclass
-class Comparison:
-    """How two runs of the same steps differ."""
-
-    diffs: list[dict[str, float]]
-    """Per step, the relative difference of each quantity."""
-    error: str | None = None
-    """What a run that raised raised."""
-    silent: int = 0
-    """Parameters left out of the weights' comparison (``SILENT_GRADIENT``)."""
-    model: list[str] = field(default_factory=list)
-    """Per step, the model whose weights differ most (a step_fn Trainer's, by name)."""
-
-    def first(self, rtol: float) -> tuple[int, str, float] | None:
-        """(step, quantity, relative difference) of the first difference beyond ``rtol``."""
-        for step, d in enumerate(self.diffs):
-            for q in ("grad", "loss", "weights"):
-                if d.get(q, 0.0) > rtol:
-                    return step, q, d[q]
-        return None
-
-    def worst(self) -> float:
-        return max((max(d.values()) for d in self.diffs), default=0.0)
-
-    def differs(self, rtol: float) -> bool:
-        return self.error is not None or self.first(rtol) is not None
-
-
-def _silent_mask(reference: dict[str, Any], steps: int) -> tuple[torch.Tensor | None, int]:
-    """The weights' elements to compare: those of parameters whose gradient was above rounding
-    noise at every step so far in the reference; and how many parameters are left out."""
-    sizes = reference.get("sizes")
-    if not sizes or not steps:
-        return None, 0
-    grads = reference["grad"][:steps]
-    keep = [
-        all(float(g[end - n : end].norm()) > SILENT_GRADIENT * float(g.norm()) for g in grads)
-        for n, end in zip(sizes, itertools.accumulate(sizes))
-    ]
-    mask = torch.cat([torch.full((n,), k) for n, k in zip(sizes, keep)])
-    return mask, keep.count(False)
-
-
-def compare(a: dict[str, Any], b: dict[str, Any]) -> Comparison:
-    """``a`` against ``b`` (the reference), step by step, over the steps both completed; the
-    weights of models by name (a step_fn Trainer's) model by model, the largest counted."""
-    n = min(len(a["loss"]), len(b["loss"]))
-    diffs = []
-    silent = 0
-    worst_model = []
-    for i in range(n):
-        mask, silent = _silent_mask(b, i + 1)
-        wa, wb = a["weights"][i], b["weights"][i]
-        if mask is not None:
-            wa, wb = wa[mask], wb[mask]
-        d = {"loss": _rel(a["loss"][i], b["loss"][i]), "weights": _rel(wa, wb)}
-        if i < min(len(a["grad"]), len(b["grad"])):  # a step_fn Trainer's are not kept
-            d["grad"] = _rel(a["grad"][i], b["grad"][i])
-        if a.get("models") and b.get("models"):
-            by_model = {
-                name: _rel(w, b["models"][i].get(name, torch.zeros(0)))
-                for name, w in a["models"][i].items()
-            }
-            worst_model.append(max(by_model, key=lambda name: by_model[name]))
-            d["weights"] = max(by_model.values())
-        diffs.append(d)
-    return Comparison(diffs, a["error"] or b["error"], silent, worst_model)
-
-
-@dataclass
-class Verdict:
-    """A set-up's outcome: the N-rank run against one process, and one process against itself."""
-
-    ranks: Comparison
-    repeat: Comparison
-
-    def differs(self, rtol: float) -> bool:
-        return self.ranks.differs(rtol) or self.repeat.differs(rtol)
-
-    def size(self) -> float:
-        if self.ranks.error or self.repeat.error:
-            return math.inf
-        return max(self.ranks.worst(), self.repeat.worst())
 
 
 def _batches(loader: Any, data: Dataset) -> Iterator[Any]:
@@ -284,33 +199,116 @@ def train_steps(
     per_rank_batch: int | None,
     seed: int,
     args: Sequence[str] = (),
+    exact: bool = False,
+    nudged: bool = False,
 ) -> dict[str, Any]:
-    """Train ``steps`` steps with the switches in ``fixes`` on; this process's records. Collective
-    where there is a process group. A script's error is recorded (a DDP error is a finding)."""
+    """Train ``steps`` steps with the switches in ``fixes`` on (``exact``: in float64, autocast
+    off; ``nudged``: every initial weight moved by a unit in its last place, a seeded direction
+    each); this process's records. Collective where there is a process group. A script's error is
+    recorded (a DDP error is a finding), and so is the refusal of a switch of the check's own."""
     records: dict[str, Any] = {q: [] for q in QUANTITIES}
-    records["error"] = records["traceback"] = None
+    records["error"] = records["traceback"] = records["refused"] = None
     records["differing_tensors"] = []
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms("nondeterminism" in fixes or before)
+    dtype = torch.get_default_dtype()
+    ours = False  # the dropout switch is the check's, not the script's own
     try:
-        seed_everything(seed)
-        w = load_workload(script, max(get_runtime().world_size, 1), args)
-        batch = per_rank_batch or w.batch_size
-        if w.trainer is not None:
-            _run_trainer(w, fixes, steps, batch, records)
-            return records
-        model, optimizer, batches = _prepared(w, fixes, batch, seed, records)
-        model.train()
-        for step in range(steps):
-            _step(w, model, optimizer, next(batches), fixes, mix_seed(seed, step), records)
+        with _KeepFloat64() if exact else nullcontext():
+            seed_everything(seed)
+            if exact:  # the script builds its models (a teacher in a closure too) in float64
+                torch.set_default_dtype(torch.float64)
+            w = load_workload(script, max(get_runtime().world_size, 1), args)
+            given = w.trainer.given["config"] if w.trainer is not None else None
+            ours = "dropout" in fixes and not (given is not None and given.global_batch_dropout)
+            _train(w, fixes, steps, per_rank_batch or w.batch_size, seed, records, exact, nudged)
+    except DropoutRefused as err:
+        if not ours:
+            _record_error(records, err)
+        records["refused"] = (str(err).splitlines() or [""])[0]
     except ConfigError:
         raise
     except Exception as err:
-        records["error"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
-        records["traceback"] = traceback.format_exc()
+        _record_error(records, err)
     finally:
         torch.use_deterministic_algorithms(before)
+        torch.set_default_dtype(dtype)
     return records
+
+
+def _train(
+    w: Workload,
+    fixes: frozenset[str],
+    steps: int,
+    batch: int,
+    seed: int,
+    records: dict[str, Any],
+    exact: bool,
+    nudged: bool,
+) -> None:
+    """:func:`train_steps`' training, of the loaded workload ``w``."""
+    if exact:  # a model kept from an earlier run of the script's module too
+        w.model.double()
+    if nudged:
+        _nudge(w.model)
+    if w.trainer is not None:
+        _run_trainer(w, fixes, steps, batch, records, exact)
+        return
+    model, optimizer, batches = _prepared(w, fixes, batch, seed, records)
+    model.train()
+    for step in range(steps):
+        taken = _in_float64(next(batches)) if exact else next(batches)
+        _step(w, model, optimizer, taken, fixes, mix_seed(seed, step), records)
+
+
+_LOWER = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class _KeepFloat64(TorchFunctionMode):
+    """A float64 tensor cast to a narrower float (a loss's ``logits.float()``, ``.to(torch.half)``)
+    stays float64: the script's float64 runs keep float64's rounding throughout."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        source = args[0] if args else None
+        if isinstance(source, torch.Tensor) and source.dtype == torch.float64:
+            if func in (torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16):
+                return source
+            if func in (torch.Tensor.to, torch.Tensor.type):
+                args = tuple(torch.float64 if a in _LOWER else a for a in args)
+                if kwargs.get("dtype") in _LOWER:
+                    kwargs = {**kwargs, "dtype": torch.float64}
+        return func(*args, **kwargs)
+
+
+@torch.no_grad()
+def _nudge(model: nn.Module) -> None:
+    """Move every floating-point parameter's elements by a unit in their last place, up or down
+    (seeded): the same model to rounding, from which the same sums land elsewhere."""
+    g = torch.Generator().manual_seed(0)
+    for p in model.parameters():
+        if p.is_floating_point():
+            up = torch.randint(0, 2, p.shape, generator=g).bool().to(p.device)
+            p.copy_(torch.where(up, p.nextafter(p + 1), p.nextafter(p - 1)))
+
+
+def _record_error(records: dict[str, Any], err: BaseException) -> None:
+    records["error"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
+    records["traceback"] = traceback.format_exc()
+
+
+def _in_float64(batch: Any) -> Any:
+    """``batch`` with its floating-point tensors in float64."""
+    if isinstance(batch, torch.Tensor):
+        return batch.double() if batch.is_floating_point() else batch
+    if isinstance(batch, dict):
+        return {k: _in_float64(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        moved = [_in_float64(v) for v in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    return batch
 
 
 def _prepared(
@@ -360,11 +358,17 @@ def _same_start(model: nn.Module, fixes: frozenset[str], records: dict[str, Any]
 
 
 def _run_trainer(
-    w: Workload, fixes: frozenset[str], steps: int, batch: int, records: dict[str, Any]
+    w: Workload,
+    fixes: frozenset[str],
+    steps: int,
+    batch: int,
+    records: dict[str, Any],
+    exact: bool,
 ) -> None:
-    """Train the script's step_fn Trainer (``w.trainer``) ``steps`` steps with ``batch`` samples a
-    rank per micro-batch, the switches in ``fixes`` in its config, in a run directory of its own
-    that is removed after; records each step's global loss and every model's weights, by name."""
+    """Train the script's Trainer (``w.trainer``) ``steps`` optimizer steps as the script built it
+    (its config, scheduler, loss, callbacks), with ``batch`` samples a rank per micro-batch, the
+    switches in ``fixes`` in its config, in a run directory of its own that is removed after;
+    records each step's global loss, every model's weights and (one model) its gradients."""
     from ddpkit.training._trainer import Trainer  # its compiler stack, only where it runs
 
     assert w.trainer is not None
@@ -372,17 +376,26 @@ def _run_trainer(
     kwargs = w.trainer.given
     config = kwargs["config"]
     _same_start(w.model, fixes, records)
+    strategy = strategy_config(config.strategy)
+    if "unused_parameters" in fixes and isinstance(strategy, DDPConfig):
+        strategy = replace(strategy, find_unused_parameters=True)
+    collate = config.collate_fn
     where = broadcast_object(tempfile.mkdtemp(prefix="ddpkit-check-") if rt.is_main else "")
     kwargs["config"] = replace(
         config, run_dir=where, resume=False, max_steps=steps, epochs=max(config.epochs, steps),
         batch_size=batch, global_batch_size=None, num_workers=0, weights_format=None,
-        sync_batchnorm=config.sync_batchnorm or "batchnorm" in fixes,
+        strategy=strategy, sync_batchnorm=config.sync_batchnorm or "batchnorm" in fixes,
         global_batch_dropout=config.global_batch_dropout or "dropout" in fixes,
         seed_samples=config.seed_samples or "augmentation" in fixes,
+        precision="fp32" if exact else config.precision,
+        collate_fn=_collate_in_float64(collate) if exact else collate,
         logging=replace(config.logging, progress=False, tensorboard=False, trackers=()),
-        snapshot=replace(config.snapshot, every_steps=None, every_epochs=0),  # max_steps' only
+        snapshot=replace(config.snapshot, every_steps=None, every_epochs=0, memory=False),
     )  # fmt: skip
-    kwargs["callbacks"] = [*kwargs.get("callbacks", ()), _Recorder(records)]
+    if "dropout" in fixes and not config.global_batch_dropout:
+        convert_dropout(w.model)  # a refusal before the Trainer's own, which says the same
+    several = kwargs.get("step_fn") is not None
+    kwargs["callbacks"] = [*kwargs.get("callbacks", ()), _Recorder(records, grads=not several)]
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # its progress and summary
             Trainer(**kwargs).fit()
@@ -393,21 +406,39 @@ def _run_trainer(
                 fs.remove_tree(Path(where))
 
 
-class _Recorder:
-    """A Trainer's callback: after each step, the global loss (every ``step.backward`` loss, by
-    samples) and every model's weights."""
+def _collate_in_float64(collate: Any) -> Any:
+    def in_float64(samples: list[Any]) -> Any:
+        return _in_float64((collate or default_collate)(samples))
 
-    def __init__(self, records: dict[str, Any]) -> None:
-        self.records = records
+    return in_float64
+
+
+class _Recorder:
+    """A Trainer's callback: after each step, the global loss (every micro-batch's loss, by
+    samples), every model's weights, and with ``grads`` (one model: its step keeps them until the
+    next) its gradients; a step_fn's models' weights by name too."""
+
+    def __init__(self, records: dict[str, Any], grads: bool) -> None:
+        self.records, self.grads = records, grads
         records["models"] = []
 
     def on_step_end(self, trainer: Any, taken: bool, output: Any) -> None:
         own = sum(float(loss) * float(n) for loss, n in zip(output.losses, output.sizes))
         every = all_gather_object((own, float(output.samples)))
         self.records["loss"].append(sum(s for s, _ in every) / max(sum(n for _, n in every), 1))
-        models = {n: _flat(unwrap(m).parameters()) for n, m in trainer.strategy.models.items()}
-        self.records["models"].append(models)
-        self.records["weights"].append(torch.cat(list(models.values())))
+        models = getattr(trainer.strategy, "models", None) or {"": trainer.strategy.model}
+        params = {n: list(unwrap(m).parameters()) for n, m in models.items()}
+        weights = {n: _flat(ps) for n, ps in params.items()}
+        self.records["weights"].append(torch.cat(list(weights.values())))
+        if not self.grads:
+            self.records["models"].append(weights)
+            return
+        ps = [p for group in params.values() for p in group]
+        self.records["no_grad"] = sum(p.grad is None for p in ps)
+        self.records["sizes"] = [p.numel() for p in ps]
+        self.records["grad"].append(
+            _flat(p.grad if p.grad is not None else torch.zeros_like(p) for p in ps)
+        )
 
 
 def _step(
@@ -443,15 +474,21 @@ def _step(
 
 
 def _flat(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-    """The tensors flattened into one, in float64 on the CPU (compared across runs)."""
-    return torch.cat([t.detach().reshape(-1).double().cpu() for t in tensors])
+    """The tensors flattened into one, in float64 on the CPU (compared across runs); a sharded
+    tensor (fsdp's) whole, gathered from every rank."""
+    whole = [getattr(t, "full_tensor", lambda t=t: t)() for t in tensors]
+    return torch.cat([t.detach().reshape(-1).double().cpu() for t in whole])
+
+
+Setup = tuple[frozenset[str], bool]
+"""A run's switches, and whether it is in float64."""
 
 
 def _ranks_run(
-    script: str | None, setups: list[frozenset[str]], steps: int, seed: int, args: Sequence[str]
+    script: str | None, setups: list[Setup], steps: int, seed: int, args: Sequence[str]
 ) -> list[dict[str, Any]]:
     init(device="cpu")  # gloo on the CPU: any number of ranks fits on one machine
-    return [train_steps(script, fixes, steps, None, seed, args) for fixes in setups]
+    return [train_steps(script, fixes, steps, None, seed, args, exact) for fixes, exact in setups]
 
 
 def _failed(cfg: CheckConfig, where: str, trace: str) -> tuple[int, list[str]]:
@@ -478,6 +515,15 @@ def run_check(cfg: CheckConfig) -> tuple[int, list[str]]:
         torch.set_num_threads(threads)
 
 
+@dataclass
+class _Judged:
+    """Where the runs are judged: in float64 (``exact``), or in the script's own arithmetic."""
+
+    exact: bool
+    tol: Tolerance
+    notes: list[str]
+
+
 def _check(cfg: CheckConfig) -> tuple[int, list[str]]:
     import_dynamo()  # DDP's constructor imports it (seconds): once, before the forks
     try:  # bad input fails here, not inside every rank
@@ -494,44 +540,123 @@ def _check(cfg: CheckConfig) -> tuple[int, list[str]]:
     reference = one_process(frozenset())
     if reference["traceback"] is not None:
         return _failed(cfg, "in the 1-process run", reference["traceback"])
-    # find_unused_parameters only where a parameter went without a gradient: DDP cannot honour it
-    # for an output it cannot search for tensors
-    keys = [k for k in _KEYS if k != "unused_parameters" or reference.get("no_grad")]
-    if w.trainer is not None:
-        keys = list(STEP_FN_KEYS)
-    setups = _setups(keys)
+    judged, one, again = _judged(cfg, reference, one_process)
     w.check_sizes(cfg.nproc)
-    run = functools.partial(_ranks_run, cfg.script, setups, cfg.steps, cfg.seed, cfg.script_args)
-    ranks = spawn(run, cfg.nproc)[0]  # new interpreters where the run above started GPU threads
-    verdicts = []
-    for fixes, dist_run in zip(setups, ranks):
-        one = reference if not fixes else one_process(fixes)
-        # with deterministic algorithms on the repeat can only agree, unless they do not cure it,
-        # which the all-on set-up shows
-        repeat = "nondeterminism" not in fixes or fixes == frozenset(keys)
-        again = one_process(fixes) if repeat else one
-        verdicts.append(Verdict(compare(dist_run, one), compare(again, one)))
+    # The base set-up in the script's own arithmetic (the table) and, to judge it, in float64;
+    # each switch only where they differ.
+    runs: list[Setup] = [(frozenset(), False), *([(frozenset(), True)] if judged.exact else [])]
+    on_ranks = _on_ranks(cfg, runs)
+    shown_ranks, base_ranks = on_ranks[0], on_ranks[-1]
+    base = Verdict(compare(base_ranks, one), compare(again, one))
+    shown = Verdict(compare(shown_ranks, reference), compare(reference, reference))
     lines = [
         f"ddpkit check: {cfg.script or w.name}: 1 process (batch {global_batch}) vs {cfg.nproc} "
-        f"ranks (batch {w.batch_size} each, gloo), {cfg.steps} steps, tolerance {cfg.rtol:g} "
-        "relative",
+        f"ranks (batch {w.batch_size} each, gloo){_micro(w)}, {cfg.steps} steps, tolerance "
+        f"{cfg.rtol:g} relative"
+        + (
+            f" (in float64: {judged.tol.floor:.1e} or {REACH} x rounding's reach, the larger)"
+            if judged.exact
+            else ""
+        ),
         *([f"  workload: {w.extra['workload']}"] if "workload" in w.extra else []),
         *([f"  {NOT_SWITCHED}"] if w.trainer is not None else []),
-        _table(reference, ranks[0], verdicts[0], cfg),
+        *judged.notes,
+        _table(reference, shown_ranks, shown, base if judged.exact else None, cfg),
     ]
-    if verdicts[0].ranks.silent:
+    if base.ranks.silent:
         lines.append(
-            f"({verdicts[0].ranks.silent} parameter(s) with gradients at rounding level, e.g. a "
-            "bias that BatchNorm cancels, are left out of the weights' comparison: an adaptive "
-            "optimizer such as Adam turns their rounding noise into full-size steps)"
+            f"({base.ranks.silent} parameter(s) with gradients at rounding level, e.g. a bias "
+            "that a BatchNorm or a softmax cancels, are left out of the weights' comparison: an "
+            "adaptive optimizer such as Adam turns their rounding noise into full-size steps)"
         )
-    if ranks[1]["traceback"] is not None:  # every known cause switched off: not DDP's finding
+    if not base.differs(judged.tol):
+        return 0, [*lines, _agreement(cfg, base, shown, judged)]
+    # find_unused_parameters only where a parameter went without a gradient: DDP cannot honour it
+    # for an output it cannot search for tensors; a step_fn's models' options are the script's
+    keys = [k for k in _KEYS if k != "unused_parameters" or reference.get("no_grad")]
+    if w.trainer is not None:
+        several = w.trainer.given.get("step_fn") is not None
+        keys = [k for k in keys if k in TRAINER_KEYS or (k == "unused_parameters" and not several)]
+    keys, everything, refused = _switchable(keys, one_process, judged.exact)
+    setups = _setups(keys)[1:]
+    ranks = _on_ranks(cfg, [(fixes, judged.exact) for fixes in setups])
+    if ranks[0]["traceback"] is not None:  # every known cause switched off: not DDP's finding
         return _failed(
             cfg,
             f"in the {cfg.nproc}-rank run, with every known cause switched off",
-            ranks[1]["traceback"],
+            ranks[0]["traceback"],
         )
-    return _verdict(cfg, keys, verdicts, ranks[0], lines)
+    verdicts = [base]
+    for fixes, dist_run in zip(setups, ranks):
+        one = everything if fixes == frozenset(keys) else one_process(fixes, exact=judged.exact)
+        # with deterministic algorithms on the repeat can only agree, unless they do not cure it,
+        # which the all-on set-up shows
+        repeat = "nondeterminism" not in fixes or fixes == frozenset(keys)
+        again = one_process(fixes, exact=judged.exact) if repeat else one
+        verdicts.append(Verdict(compare(dist_run, one), compare(again, one)))
+    return _verdict(cfg, keys, verdicts, base_ranks, [*lines, *refused], judged, bool(refused))
+
+
+def _micro(w: Workload) -> str:
+    """A Trainer's micro-batches a step, where there are several."""
+    accum = w.trainer.given["config"].grad_accum_steps if w.trainer is not None else 1
+    return f", {accum} micro-batches a step" if accum > 1 else ""
+
+
+def _on_ranks(cfg: CheckConfig, runs: list[Setup]) -> list[dict[str, Any]]:
+    """Rank 0's records of ``runs`` on ``cfg.nproc`` ranks, new interpreters (the 1-process runs
+    in this one may have started GPU threads)."""
+    run = functools.partial(_ranks_run, cfg.script, runs, cfg.steps, cfg.seed, cfg.script_args)
+    return spawn(run, cfg.nproc)[0]
+
+
+def _judged(
+    cfg: CheckConfig, reference: dict[str, Any], one_process: Callable[..., dict[str, Any]]
+) -> tuple[_Judged, dict[str, Any], dict[str, Any]]:
+    """Where the runs are judged, and the 1-process run there, twice. In float64 where the script
+    runs there, within rounding's reach measured there where one process repeats itself bit for
+    bit (a script that does not would show its own noise as rounding's reach); else in its own
+    arithmetic (``reference``, in it) with ``cfg.rtol``, saying why."""
+    in_float64 = one_process(frozenset(), exact=True)
+    if in_float64["error"] is not None:
+        note = (
+            f"  judged in the script's own arithmetic: in float64 it raised {in_float64['error']} "
+            "(rounding then passes for a difference where it exceeds the tolerance: a ReLU "
+            "input within rounding of 0 falls on either side)"
+        )
+        return _Judged(False, Tolerance(cfg.rtol), [note]), reference, one_process(frozenset())
+    again = one_process(frozenset(), exact=True)
+    reach: tuple[dict[str, float], ...] = ()
+    if not compare(again, in_float64).worst():
+        reach = tuple(compare(one_process(frozenset(), exact=True, nudged=True), in_float64).diffs)
+    return _Judged(True, Tolerance(cfg.rtol * EXACT, reach), []), in_float64, again
+
+
+def _switchable(
+    keys: list[str], one_process: Callable[..., dict[str, Any]], exact: bool
+) -> tuple[list[str], dict[str, Any], list[str]]:
+    """The switches that can be turned on this script, the 1-process run with all of them on, and
+    a report line for each refused one (left out)."""
+    refused: list[str] = []
+    while True:
+        everything = one_process(frozenset(keys), exact=exact)
+        if everything["refused"] is None or "dropout" not in keys:
+            return keys, everything, refused
+        keys = [k for k in keys if k != "dropout"]
+        refused.append(
+            "  not switched: dropout (global-batch dropout refused this model: "
+            f"{everything['refused']})"
+        )
+
+
+def _agreement(cfg: CheckConfig, base: Verdict, shown: Verdict, judged: _Judged) -> str:
+    where = "in float64" if judged.exact else "in the script's arithmetic"
+    d, bound = base.closest(judged.tol)
+    rounding = f"; in the script's arithmetic {shown.size():.1e}, rounding" if judged.exact else ""
+    return (
+        f"OK: {cfg.nproc} ranks train the same model as one process (the relative difference "
+        f"nearest its tolerance {where}: {d:.1e}, tolerance {bound:.1e}{rounding})"
+    )
 
 
 def _verdict(
@@ -540,29 +665,30 @@ def _verdict(
     verdicts: list[Verdict],
     base_ranks: dict[str, Any],
     lines: list[str],
+    judged: _Judged,
+    refused: bool = False,
 ) -> tuple[int, list[str]]:
-    """The exit code and the report's last lines: agreement, or the mismatch and its causes."""
-    base, fixed = verdicts[0], verdicts[1]
-    if not base.differs(cfg.rtol):
-        lines.append(
-            f"OK: {cfg.nproc} ranks train the same model as one process "
-            f"(largest relative difference {base.size():.1e}, tolerance {cfg.rtol:g})"
-        )
-        return 0, lines
-    lines.append(_describe_mismatch(base, cfg))
+    """Exit code 1 and the report's last lines: the mismatch and its causes (``verdicts``: the base
+    set-up's, every switch on, every switch but each in turn; ``refused``: the dropout switch could
+    not be turned)."""
+    base, fixed, tol = verdicts[0], verdicts[1], judged.tol
+    lines.append(_describe_mismatch(base, cfg, judged))
     if base_ranks["differing_tensors"]:
         lines.append(
             f"  tensors that differ between ranks after the model is built: "
             f"{', '.join(base_ranks['differing_tensors'])}"
         )
-    if fixed.differs(cfg.rtol):
+    if fixed.differs(tol):
+        unexplained = "none of ddpkit's known causes accounts for it"
+        if refused:
+            unexplained = "dropout drawing per rank may, which could not be switched off here"
         lines.append(
             f"UNEXPLAINED: with every known cause switched off the runs still differ "
-            f"({_what(fixed, cfg)}); none of ddpkit's known causes accounts for it"
+            f"({_what(fixed, cfg, tol)}); {unexplained}"
         )
         return 1, lines
     causes = [c for c in CAUSES if c.key in keys]
-    found = [(c, v) for c, v in zip(causes, verdicts[2:]) if v.differs(cfg.rtol)]
+    found = [(c, v) for c, v in zip(causes, verdicts[2:]) if v.differs(tol)]
     if not found:
         lines.append(
             "cause: the runs agree with every switch on, but no single switch brings the mismatch "
@@ -573,33 +699,34 @@ def _verdict(
             f"cause: {cause.what}",
             f"  fix: {cause.fix}",
             "  evidence: every switch on, the runs agree (largest difference "
-            f"{fixed.size():.1e}); all but '{cause.key}', they differ ({_what(v, cfg)})",
+            f"{fixed.size():.1e}); all but '{cause.key}', they differ ({_what(v, cfg, tol)})",
         ]
     return 1, lines
 
 
-def _what(v: Verdict, cfg: CheckConfig) -> str:
+def _what(v: Verdict, cfg: CheckConfig, tol: Tolerance) -> str:
     if v.ranks.error:
         return f"the {cfg.nproc}-rank run raised {v.ranks.error}"
     if v.repeat.error:
         return f"the single process raised {v.repeat.error}"
-    repeat = v.repeat.first(cfg.rtol)
+    repeat = v.repeat.first(tol)
     if repeat is not None:
         step, q, d = repeat
         return f"one process run twice: {q} {d:.1e} at step {step}"
-    ranks = v.ranks.first(cfg.rtol)
+    ranks = v.ranks.first(tol)
     assert ranks is not None  # asked only about a verdict that differs
     step, q, d = ranks
     return f"{q} {d:.1e} at step {step}"
 
 
-def _describe_mismatch(v: Verdict, cfg: CheckConfig) -> str:
+def _describe_mismatch(v: Verdict, cfg: CheckConfig, judged: _Judged) -> str:
     parts = []
+    where = "in float64: " if judged.exact else ""
     for label, c in (
         (f"{cfg.nproc} ranks vs 1 process", v.ranks),
         ("1 process vs itself", v.repeat),
     ):
-        first = c.first(cfg.rtol)
+        first = c.first(judged.tol)
         if first is not None:
             step, q, d = first
             sizes = ", ".join(
@@ -608,32 +735,45 @@ def _describe_mismatch(v: Verdict, cfg: CheckConfig) -> str:
             if c.model:  # models by name: the one whose weights differ most
                 sizes += f" (most in model {c.model[step]!r})"
             parts.append(
-                f"{label}: first differ at step {step} ({q} by {d:.1e} relative; {sizes}; largest "
-                f"{c.worst():.1e})"
+                f"{label}: first differ at step {step} ({where}{q} by {d:.1e} relative; {sizes}; "
+                f"largest {c.worst():.1e})"
             )
         if c.error:
             parts.append(f"{label}: a run raised {c.error}")
     return "MISMATCH: " + "; ".join(dict.fromkeys(parts))
 
 
-def _table(one: dict[str, Any], ranks: dict[str, Any], v: Verdict, cfg: CheckConfig) -> str:
+def _table(
+    one: dict[str, Any],
+    ranks: dict[str, Any],
+    v: Verdict,
+    exact: Verdict | None,
+    cfg: CheckConfig,
+) -> str:
+    """Step by step, in the script's own arithmetic, and (``exact``) the largest difference in
+    float64."""
     rows = [
         f"{'step':>4}  {'loss, 1 process':>15}  {f'loss, {cfg.nproc} ranks':>15}  "
         f"{'rel. diff: loss':>15}  {'gradients':>9}  {'weights':>9}"
+        + (f"  {'float64':>9}" if exact is not None else "")
     ]
     for i, d in enumerate(v.ranks.diffs):
         grad = f"{d['grad']:.1e}" if "grad" in d else "-"  # a step_fn Trainer's: not kept
-        rows.append(
+        row = (
             f"{i:>4}  {one['loss'][i]:>15.6f}  {ranks['loss'][i]:>15.6f}  {d['loss']:>15.1e}  "
             f"{grad:>9}  {d['weights']:>9.1e}"
         )
+        if exact is not None and i < len(exact.ranks.diffs):
+            row += f"  {max(exact.ranks.diffs[i].values()):>9.1e}"
+        rows.append(row)
     return "\n".join(rows)
 
 
 OPTIONS = [
     argument("--nproc", type=int, default=2, help="ranks of the distributed run (default 2)"),
     argument("--steps", type=int, default=4, help="optimizer steps compared (default 4)"),
-    argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)"),
+    argument("--rtol", type=float, default=1e-4, help="relative tolerance in float32's terms "
+             "(default 1e-4; the runs are judged in float64, with it times 2**-29)"),
     argument("--seed", type=int, default=0),
     argument("script", nargs="?", help=f"a training script that defines {HOOK}() or builds a "
              "ddpkit.Trainer, or a built-in workload: " + ", ".join(BUILTINS)),

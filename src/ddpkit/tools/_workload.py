@@ -67,9 +67,10 @@ class Workload:
     """How ddpkit's loaders put samples into a batch; None: torch's default."""
     name: str = "workload"
     trainer: Captured | None = None
-    """A Trainer with ``step_fn`` as the script builds it (its arguments; ``model`` is then its
-    models in an ``nn.ModuleDict``): ``ddpkit check`` runs that Trainer, ``ddpkit bench`` refuses
-    it."""
+    """The Trainer as the script builds it (its arguments), for a script without the hook:
+    ``ddpkit check`` runs that Trainer; ``ddpkit bench`` times the step of its model, loss and
+    optimizer, and refuses one with ``step_fn`` (``model`` is then its models in an
+    ``nn.ModuleDict``)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form notes printed with the results."""
 
@@ -290,8 +291,7 @@ def run_until_trainer(script: str, args: Sequence[str] = ()) -> Captured | None:
 
 def workload_of(found: Captured, script: str, world_size: int) -> Workload:
     """The :class:`Workload` of a captured Trainer, with the per-rank micro-batch the Trainer would
-    use on ``world_size`` ranks. The scheduler is not stepped. A Trainer with ``step_fn`` is kept
-    whole, in :attr:`Workload.trainer`."""
+    use on ``world_size`` ranks; the Trainer is kept whole, in :attr:`Workload.trainer`."""
     given = found.given
     missing = [n for n in ("model", "optimizer", "train_data", "config") if n not in given]
     if missing:
@@ -318,6 +318,7 @@ def workload_of(found: Captured, script: str, world_size: int) -> Workload:
         count_fn=given.get("count_fn"),
         # the script's optimizer holds the model's own parameters, which DDP wraps without copying
         optimizer=lambda params: optimizer,
-        extra={"workload": "captured from the Trainer the script builds"},
+        trainer=found,
+        extra={"workload": "the Trainer the script builds, run as it is"},
         **common,
     )

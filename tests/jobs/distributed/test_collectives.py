@@ -164,6 +164,36 @@ def _gather_worker() -> dict:
     }
 
 
+def _contrastive_grads(with_grad: bool) -> torch.Tensor:
+    """Rank r's ``r + 1`` rows' gradient of a loss that is each rank's mean over its own rows of a
+    function of every rank's rows (as InfoNCE's negatives), under DDP's mean over ranks."""
+    r = ddpkit.init().rank
+    rows = torch.arange(r * (r + 1) // 2, (r + 1) * (r + 2) // 2, dtype=torch.float64)
+    x = (rows[:, None] * torch.tensor([0.3, -0.2], dtype=torch.float64)).requires_grad_()
+    every = ddpkit.gather_tensors(x, grad=with_grad)
+    if not with_grad:  # what a detached gather gives: only this rank's own rows keep their graph
+        start = r * (r + 1) // 2
+        every = torch.cat([every[:start], x, every[start + len(x) :]])
+    world = ddpkit.get_runtime().world_size
+    loss = ((x @ every.T).exp().sum(1).log()).mean()
+    (loss / world).backward()  # DDP's mean of the ranks' gradients
+    return x.grad
+
+
+@pytest.mark.parametrize("with_grad", [True, False], ids=["grad", "control-detached"])
+def test_a_gather_with_grad_trains_what_one_process_trains(with_grad):
+    results = ddpkit.spawn(_contrastive_grads, 3, (with_grad,))
+    x = torch.arange(6, dtype=torch.float64)[:, None] * torch.tensor(
+        [0.3, -0.2], dtype=torch.float64
+    )
+    x.requires_grad_()
+    # one process: the mean over every row, in the ranks' shares (1, 2 and 3 rows) weighed alike
+    shares = [x[0:1], x[1:3], x[3:6]]
+    sum(((s @ x.T).exp().sum(1).log()).mean() for s in shares).div(3).backward()
+    same = torch.allclose(torch.cat(results), x.grad, rtol=1e-12)
+    assert same if with_grad else not same
+
+
 @pytest.mark.parametrize("n", WORLDS)
 def test_gather_and_broadcast(n):
     results = ddpkit.spawn(_gather_worker, n)

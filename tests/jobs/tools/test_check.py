@@ -208,11 +208,12 @@ from ddpkit.tools._workload import Workload
 
 class Wrapped(nn.Module):
     '''A model whose forward returns its logits in a SimpleNamespace, as HF models' outputs are
-    objects: DDP cannot search it for tensors.'''
+    objects: DDP cannot search it for tensors. With --batchnorm, each rank normalises its own
+    slice.'''
 
     def __init__(self):
         super().__init__()
-        self.inner = mlp()
+        self.inner = mlp(nn.BatchNorm1d(16)) if "--batchnorm" in sys.argv else mlp()
 
     def forward(self, x):
         return SimpleNamespace(logits=self.inner(x))
@@ -233,11 +234,16 @@ def test_a_correct_model_with_namespace_outputs_passes_and_is_not_failed_by_a_sw
     script.write_text(_NAMESPACE)
     code, lines = run_check(CheckConfig(script=str(script), steps=2))
     assert code == 0, "\n".join(lines)
+    # With a mistake the switches are turned, find_unused_parameters not among them: the mistake
+    # is named.
+    cfg = CheckConfig(script=str(script), script_args=("--batchnorm",), steps=2)
+    code, lines = run_check(cfg)
+    assert code == 1 and _named("\n".join(lines)) == ["batchnorm"], "\n".join(lines)
     # Control: find_unused_parameters switched on whatever the model (the set-ups before): DDP
     # cannot honour it for this output, and the check blamed the script for its own switch.
     old = check._setups
     monkeypatch.setattr(check, "_setups", lambda keys: old(check._KEYS))
-    code, lines = run_check(CheckConfig(script=str(script), steps=2))
+    code, lines = run_check(cfg)
     assert code == check.SCRIPT_FAILED and "FAILED" in lines[0], "\n".join(lines)
 
 

@@ -34,7 +34,7 @@ def test_a_gan_step_fn_script_passes_and_its_batchnorm_is_named(dirs):
     work, temp = dirs
     code, report = _check()
     assert code == 0 and "OK: 2 ranks train the same model as one process" in report, report
-    assert "not switched for a step_fn Trainer: data order" in report
+    assert "not switched for a Trainer: data order" in report
     # never the script's own run_dir, and the check's own are removed
     assert not (work / "runs").exists() and not list(temp.glob("ddpkit-check-*"))
     # Control: BatchNorm in the discriminator, sync_batchnorm off, fails and is named.

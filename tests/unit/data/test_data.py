@@ -190,7 +190,8 @@ def test_set_position_resumes_mid_epoch(drop_last, save_world, resume_world):
         )
         for s in resumed:
             s.set_position(epoch, cursor)
-        assert [len(s) for s in resumed] == [len(full) - done_steps] * resume_world
+        # the length is the epoch's; the pass yields the steps left
+        assert [len(s) for s in resumed] == [len(full)] * resume_world
         assert one_epoch(resumed) == full[done_steps:], (cursor, drop_last)
         # The epoch after the resumed one starts from its beginning.
         assert one_epoch(resumed) == one_epoch(_epoch_at(n, drop_last, epoch + 1))
@@ -210,7 +211,7 @@ def test_resume_after_the_last_partial_batch_yields_nothing(resume_world):
     samplers = make_samplers(n, GLOBAL_BATCH // resume_world, resume_world, drop_last=False, seed=5)
     for s in samplers:
         s.set_position(epoch, n)
-    assert [len(s) for s in samplers] == [0] * resume_world
+    assert [len(s) for s in samplers] == [6] * resume_world  # the epoch's length
     assert one_epoch(samplers) == []
 
 
@@ -221,7 +222,7 @@ def test_cursor_must_be_whole_global_batches():
     ):
         s.set_position(1, 18)  # saved by a run with a global batch of 9 or 18
     s.set_position(1, 24)  # control: whole global batches are fine
-    assert len(s) == 100 // 12 - 2
+    assert len(list(s)) == 100 // 12 - 2 and len(s) == 100 // 12
 
 
 def test_too_few_samples_and_bad_batch_size():
@@ -793,6 +794,64 @@ def test_a_resumed_loader_says_its_epoch_and_the_index_of_its_next_batch():
     # yet.
     assert rest == [(3, False), (4, True)]
     assert (resumed.epoch, resumed.batch_in_epoch, resumed.finishing_epoch) == (1, 0, False)
+
+
+def _accumulating_loop(run_dir: str, stop_after: int | None = None) -> dict:
+    """Hugging Face's accumulation idiom in a hand loop: 4 batches an optimizer step, the epoch's
+    last partial step taken at ``i == len(loader) - 1``, the batches numbered from
+    ``loader.batch_in_epoch``, a warm-up from lr 0, clipping; 10 batches an epoch, 2 epochs.
+    Stopped after optimizer step ``stop_after`` (a snapshot every step), as a kill would stop it."""
+    ddpkit.seed_everything(0)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(40, 6, generator=g)
+    data = TensorDataset(x, (x.sum(1) > 0).long())
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, step / 3))
+    loader = ddpkit.build_loader(data, batch_size=4, num_workers=0)
+    snapshots = ddpkit.Snapshots(run_dir, model=model, optimizer=optimizer, scheduler=scheduler,
+                                 loader=loader, every_steps=1)  # fmt: skip
+    snapshots.resume()
+    accum, lengths = 4, []
+    for _ in range(loader.epoch, 2):
+        lengths.append(len(loader))
+        for i, (xb, yb) in enumerate(loader, start=loader.batch_in_epoch):
+            loss = torch.nn.functional.cross_entropy(model(xb), yb) / accum
+            loss.backward()
+            if (i + 1) % accum == 0 or i == len(loader) - 1:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+                snapshots.step()
+                if snapshots.steps == stop_after:
+                    snapshots.close()
+                    return {}
+    snapshots.close()
+    return {"model": model.state_dict(), "steps": snapshots.steps, "lengths": lengths}
+
+
+@pytest.mark.parametrize("length", ["epoch", "control-batches-left"])
+def test_an_accumulating_loop_resumed_mid_epoch_ends_bitwise_where_it_would_have(
+    tmp_path, monkeypatch, length
+):
+    # Stopped after step 2 (batch 7 of 10): the resumed pass hands over batches 8 and 9, and the
+    # epoch's last, partial step is taken at batch 9 = len(loader) - 1.
+    if length != "epoch":  # the length as it was: the batches left to the pass
+        monkeypatch.setattr(
+            ShardedBatchSampler, "__len__", lambda s: max(0, s.steps_per_epoch - s._first_step())
+        )
+    whole = _accumulating_loop(str(tmp_path / "whole"))
+    _accumulating_loop(str(tmp_path / "run"), stop_after=2)
+    resumed = _accumulating_loop(str(tmp_path / "run"))
+    assert whole["steps"] == 6 and whole["lengths"] == [10, 10]
+    same = resumed["steps"] == 6 and all(
+        torch.equal(resumed["model"][k], v) for k, v in whole["model"].items()
+    )
+    if length == "epoch":
+        assert resumed["lengths"] == [10, 10] and same
+    else:  # the partial step skipped: it steps mid-accumulation in the next epoch and ends short
+        assert resumed["lengths"] == [2, 10] and resumed["steps"] == 5 and not same
 
 
 def test_a_changed_length_is_refused_or_restarts_the_epoch():

@@ -121,3 +121,17 @@ def test_a_gradient_swapped_in_place_is_read_where_it_now_lies(how):
     # (the bf16 NaN lies in the low half of a little-endian float32): a check that kept where the
     # gradients lay, by object or by address and size, would call this step finite.
     assert bool(torch.isfinite(bucket[:20].sum()))
+
+
+@pytest.mark.parametrize("default", [torch.float64, torch.float32])
+def test_the_check_runs_whatever_the_default_dtype(default):
+    # A script (or ddpkit check's float64 runs) with float64 as the default dtype: the fused check
+    # takes its flag and scale in float32 only, which the check made in the default dtype.
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        check = FiniteCheck([torch.zeros(3)])
+        grads = [torch.tensor([1.0, float("nan"), 2.0])]
+        assert check([torch.ones(3)]) and not check(grads)
+    finally:
+        torch.set_default_dtype(before)

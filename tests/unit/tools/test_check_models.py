@@ -3,7 +3,15 @@ compared on their own, the worst named, no gradient column."""
 
 import torch
 
-from ddpkit.tools._check import CheckConfig, Verdict, _describe_mismatch, _table, compare
+from ddpkit.tools._check import (
+    CheckConfig,
+    Tolerance,
+    Verdict,
+    _describe_mismatch,
+    _Judged,
+    _table,
+    compare,
+)
 
 
 def _records(g, d, loss=1.0):
@@ -25,8 +33,9 @@ def test_each_model_is_compared_on_its_own_and_the_worst_is_named():
     assert c.model == ["d"] and c.diffs[0]["weights"] > 0.5 and "grad" not in c.diffs[0]
     cfg = CheckConfig()
     verdict = Verdict(c, compare(ref, ref))
-    assert "(most in model 'd')" in _describe_mismatch(verdict, cfg)
-    assert _table(ref, other, verdict, cfg).splitlines()[1].split()[4] == "-"
+    judged = _Judged(exact=False, tol=Tolerance(cfg.rtol), notes=[])
+    assert "(most in model 'd')" in _describe_mismatch(verdict, cfg, judged)
+    assert _table(ref, other, verdict, None, cfg).splitlines()[1].split()[4] == "-"
     # Control: the same weights as one flat vector, with no models by name, hide it.
     flat = {k: v for k, v in other.items() if k != "models"}
     c = compare(flat, {k: v for k, v in ref.items() if k != "models"})
