@@ -129,16 +129,16 @@ def measure(folder: Path) -> dict[str, dict[str, float]]:
     record = next((r for r in _records(folder) if r.get("event") == "recover"), None)
     if recovery is not None and record is not None:
         kill = recovery["t"]
-        go = json.loads(next(folder.glob("logs/*/recover/go-1")).read_text())
+        seen = record["seen"]  # when the agent saw the failure
         seconds = record["seconds"]  # rank 0's, from the failure seen to the state loaded
         parts = ("leave", "decide", "regroup", "restore")
-        out[f"{phase}: detect"] = {"wall": go["seen"] - kill}
+        out[f"{phase}: detect"] = {"wall": seen - kill}
         for name in parts:
             out[f"{phase}: {name}"] = {"wall": seconds[name]}
         # the script run again up to its resume, and the first step after it
         out[f"{phase}: rebuild"] = {"wall": seconds["total"] - sum(seconds[p] for p in parts)}
         out[f"{phase}: first_step"] = {
-            "wall": recovery["seconds"] - (go["seen"] - kill) - seconds["total"]
+            "wall": recovery["seconds"] - (seen - kill) - seconds["total"]
         }
         out[f"{phase} to first step"] = {"wall": recovery["seconds"]}
     elif recovery is not None and phase == "restart":

@@ -81,6 +81,19 @@ def torchrun_argv(
     return argv + worker + [cfg.script, *cfg.script_args]
 
 
+def torchrun_args(
+    torchrun: Any, cfg: LaunchConfig, nproc: int, run_dir: Path, node: NodeAddress | None
+) -> Any:
+    """torchrun's parsed arguments for ``cfg`` (of :func:`torchrun_argv`)."""
+    argv = torchrun_argv(cfg, nproc, str(run_dir), node)
+    # the script's arguments set after parsing: torchrun would read `--log 5` as its --log-dir
+    args = torchrun.parse_args(argv[: len(argv) - len(cfg.script_args)])
+    args.training_script_args += list(cfg.script_args)
+    if hasattr(args, "signals_to_handle"):  # torchrun's SIGTERM handling would stop the workers
+        args.signals_to_handle = agent.TORCHRUN_SIGNALS
+    return args
+
+
 def _run_torchrun(torchrun: Any, args: Any, quiet: range) -> None:
     """``torchrun.run(args)``, with the local ranks ``quiet`` writing to files in the log folder
     (local rank 0 keeps the terminal). The map goes to the logs spec: ``--redirects`` takes
@@ -260,16 +273,10 @@ def launch(cfg: LaunchConfig) -> int:
     access, node = job_access(cfg)
     run_id = rdzv_id(cfg)
     run_dir = prepare_workers(cfg, nproc, node)
-    agent.open_job_folder(run_dir)
     in_place = in_place_recovery(cfg, nproc)
     backend.register(run_id, access, in_place)
     proctree.become_subreaper()  # the orphans of the workers' children stay the agent's to end
-    argv = torchrun_argv(cfg, nproc, str(run_dir), node)
-    # the script's arguments set after parsing: torchrun would read `--log 5` as its --log-dir
-    args = torchrun.parse_args(argv[: len(argv) - len(cfg.script_args)])
-    args.training_script_args += list(cfg.script_args)
-    if hasattr(args, "signals_to_handle"):  # torchrun's SIGTERM handling would stop the workers
-        args.signals_to_handle = agent.TORCHRUN_SIGNALS
+    args = torchrun_args(torchrun, cfg, nproc, run_dir, node)
     display = [cfg.script, *cfg.script_args]
     agent.install(
         launcher_api, cfg.uses_fork_server, cfg.preload, display, stall, in_place, cfg.node_timeout,
@@ -283,7 +290,7 @@ def launch(cfg: LaunchConfig) -> int:
         return report_failure(cfg, err, run_dir)
     except RendezvousError as err:
         if in_place is not None and in_place.left_job():
-            say("this node was counted lost and replaced: the job goes on without it")
+            say(f"this node left the job, which goes on without it: {in_place.fallback}")
             return 1
         say(
             f"the nodes did not come together at {cfg.rdzv_endpoint} ({type(err).__name__}: "
@@ -345,12 +352,16 @@ def job_access(cfg: LaunchConfig) -> tuple[Any, NodeAddress | None]:
 
 
 def prepare_workers(cfg: LaunchConfig, nproc: int, node: NodeAddress | None) -> Path:
-    """The run's log folder, made now, and the workers' variables set in this process."""
+    """The run's log folder and the job's folder on this node (:func:`agent.open_job_folder`),
+    made now, and the workers' variables set in this process."""
     run_dir = new_run_log_dir(cfg.log_dir)
+    agent.open_job_folder(run_dir)
     os.environ.update(worker_env(cfg, nproc, node))
     if cfg.debug_collectives:  # where nccl's flight recorder writes each rank's record on a timeout
-        fs.make_dirs(run_dir / "nccl", root=run_dir)
-        os.environ.setdefault(flight_recorder_vars()[1], str(run_dir / "nccl" / "trace_rank_"))
+        fs.make_dirs(run_dir / "stacks", root=run_dir)
+        os.environ.setdefault(
+            flight_recorder_vars()[1], str(run_dir / "stacks" / "nccl_trace_rank_")
+        )
     return run_dir
 
 
@@ -368,7 +379,7 @@ def report_failure(cfg: LaunchConfig, err: Any, run_dir: Path) -> int:
     # the stacks the running workers wrote at the first failure (the stall watch showed its own)
     if named is None:
         lines += agent.stacks(agent.answered_ranks())
-    for trace in sorted(run_dir.glob("nccl/trace_rank_*")):  # --debug-collectives on nccl
+    for trace in sorted(run_dir.glob("stacks/nccl_trace_rank_*")):  # --debug-collectives, nccl
         lines.append(f"  nccl flight recorder of rank {trace.name.rsplit('_', 1)[-1]}: {trace}")
     lines.append(f"  output of every rank: {run_dir}")
     for line in lines:

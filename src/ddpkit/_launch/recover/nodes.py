@@ -102,16 +102,50 @@ def join(
     """For a node of ``nproc`` workers starting in a job that recovers in place: the place of a
     lost node, claimed, once the job's agents say go; None where no place is open (or none opens
     within ``wait`` seconds of a recovery under way): torch's rendezvous follows."""
-    conn = connection(store)
+    reader = _Reader(connection(store))
+    found = _vacancy(reader, store, wait, join_timeout)
+    if found is None:
+        return None
+    generation, vacant = found
+    place = _claim(reader, addr, nproc, generation, vacant)
+    if place is None:
+        return None  # of another size: torch's rendezvous takes it in at a whole restart
+    say(f"taking the place of lost node {place} (recovery {generation})")
+    # beating from now: the others must not count the place lost again while this node starts
+    mine = NodeLink(store, vacant["round"], place, vacant["size"], addr, node_timeout)
+    deadline = time.monotonic() + join_timeout
+    while time.monotonic() < deadline:
+        outcome = reader.get_json(f"{generation}/outcome")
+        if outcome is not None and "go" in outcome:
+            return Joined(place, vacant["size"], vacant["round"], outcome["go"], mine)
+        if outcome is not None:
+            break
+        time.sleep(0.02)
+    mine.close()
+    return None
 
-    def get_json(key: str) -> Any:
-        value = read(conn, KEY + key)
+
+class _Reader:
+    """The agreement's keys read by a node that has no place yet, on a connection of its own."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    def get_json(self, key: str) -> Any:
+        value = read(self.conn, KEY + key)
         return json.loads(value) if value is not None else None
 
-    def incident() -> int:
-        return int(read(conn, KEY + "incident") or b"0")
+    def incident(self) -> int:
+        return int(read(self.conn, KEY + "incident") or b"0")
 
-    job = get_json("job")
+
+def _vacancy(
+    reader: _Reader, store: Any, wait: float, join_timeout: float
+) -> tuple[int, dict[str, Any]] | None:
+    """The recovery under way and the places it offers, once offered; None where there is no
+    recovery under way (a job running on all its nodes is waited on up to ``join_timeout``, for
+    a place to open)."""
+    job = reader.get_json("job")
     full = job is not None and _all_alive(store, job)
     if full:  # a place opens when a node is lost: taken here, the job goes on without a restart
         say(
@@ -120,11 +154,11 @@ def join(
         )
     deadline = time.monotonic() + (join_timeout if full else wait)
     while True:
-        generation = incident()
-        if generation and get_json(f"{generation}/outcome") is None:
-            vacant = get_json("vacant")
+        generation = reader.incident()
+        if generation and reader.get_json(f"{generation}/outcome") is None:
+            vacant = reader.get_json("vacant")
             if vacant is not None and vacant["recovery"] == generation:
-                break
+                return generation, vacant
         elif not full:
             return None  # no recovery under way
         elif _all_finished(store, job):
@@ -132,17 +166,21 @@ def join(
         if time.monotonic() > deadline:
             return None
         time.sleep(0.05)
-    place = None
+
+
+def _claim(
+    reader: _Reader, addr: str, nproc: int, generation: int, vacant: dict[str, Any]
+) -> int | None:
+    """The lost node's place this node claimed, None where none of its size is open."""
     claim = f"{addr} {os.getpid()} {secrets.token_hex(8)}"  # two new nodes never hold one claim
-    sizes = {n: len(get_json(f"ranks/{vacant['round']}/{n}") or []) for n in vacant["nodes"]}
+    sizes = {n: len(reader.get_json(f"ranks/{vacant['round']}/{n}") or []) for n in vacant["nodes"]}
     for n, size in sizes.items():
         if size != nproc:
             say(f"not taking the place of lost node {n}: it ran {size} worker(s), this node "
                 f"{nproc} (--nproc)")  # fmt: skip
-        elif conn.compare_set(f"{KEY}{generation}/claim/{n}", "", claim) == claim.encode():
-            place = n
-            break
-    if place is None and set(sizes.values()) == {nproc}:
+        elif reader.conn.compare_set(f"{KEY}{generation}/claim/{n}", "", claim) == claim.encode():
+            return n
+    if set(sizes.values()) == {nproc}:
         # in torch's rendezvous it would wait for a place the job never has: every restart
         # would take it in and leave a node out again
         raise ConfigError(
@@ -150,20 +188,6 @@ def join(
             f"(recovery {generation}): this node is not needed now; start it again to join the "
             "job at a later restart"
         )
-    if place is None:
-        return None  # of another size: torch's rendezvous takes it in at a whole restart
-    say(f"taking the place of lost node {place} (recovery {generation})")
-    # beating from now: the others must not count the place lost again while this node starts
-    mine = NodeLink(store, vacant["round"], place, vacant["size"], addr, node_timeout)
-    deadline = time.monotonic() + join_timeout
-    while time.monotonic() < deadline:
-        outcome = get_json(f"{generation}/outcome")
-        if outcome is not None and "go" in outcome:
-            return Joined(place, vacant["size"], vacant["round"], outcome["go"], mine)
-        if outcome is not None:
-            break
-        time.sleep(0.02)
-    mine.close()
     return None
 
 

@@ -362,7 +362,7 @@ def _recover_event(resume: lifetime.Resume) -> dict[str, Any] | None:
     seen, left, decided = go["seen"], go["left"], go["decided"]
     return {
         "event": "recover", "recovery": go["recovery"], "replaced": go["replaced"],
-        "step": resume.step, "source": resume.source,
+        "step": resume.step, "source": resume.source, "seen": seen,
         "seconds": {
             "leave": round(left - seen, 4), "decide": round(decided - left, 4),
             "regroup": round(_runtime.joined_at - decided, 4),
