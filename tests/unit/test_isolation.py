@@ -41,7 +41,7 @@ from ddpkit._launch.recover import worker as recovering
 from ddpkit._launch.agent import agent
 from ddpkit._launch.agent import jobdir
 from ddpkit.distributed import _channels as channels
-from ddpkit.distributed import _lifetime as lifetime
+from ddpkit.distributed import _runtime as lifetime
 from ddpkit._launch.agent import forkserver as forked
 from ddpkit.distributed import _spawn as spawn
 from ddpkit._launch.rendezvous import backend

@@ -61,12 +61,6 @@ def channel(name: str) -> Path | None:
     return folder / name if folder is not None else None
 
 
-def recovers_in_place() -> bool:
-    """Whether this job recovers a failure in place (``ddpkit run --recover in-place``)."""
-    folder = channel(RECOVER)
-    return folder is not None and folder.is_dir()
-
-
 def agent_pid() -> int:
     """The pid of the agent that started this process: the job folder's owner, else the parent."""
     folder = job_folder()

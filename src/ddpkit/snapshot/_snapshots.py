@@ -19,11 +19,17 @@ from torch import nn
 from ddpkit._errors import ConfigError, Preempted, checked_arguments
 from ddpkit.data._epoch_loader import EpochLoader
 from ddpkit.data._fingerprint import refusal
-from ddpkit.distributed import _lifetime as lifetime
 from ddpkit.distributed import _signals as signals
-from ddpkit.distributed._channels import recovers_in_place
 from ddpkit.distributed._collectives import all_reduce
-from ddpkit.distributed._runtime import Runtime, get_runtime, print0
+from ddpkit.distributed._runtime import (
+    Resume,
+    Runtime,
+    get_runtime,
+    hold,
+    print0,
+    recovers_in_place,
+    resumed,
+)
 from ddpkit.snapshot._disk import DiskStore
 from ddpkit.snapshot._folders import folder_name
 from ddpkit.snapshot._run_dir import RunRecord, claim
@@ -215,7 +221,7 @@ class Snapshots:
         self._signals = contextlib.ExitStack()
         self.memory: MemoryStore | None = None
         """The copies in shared memory (``memory=True``; None where the job has no folder)."""
-        self._let_go = lifetime.hold(f"ddpkit.Snapshots({run_dir})", self._abandon)
+        self._let_go = hold(f"ddpkit.Snapshots({run_dir})", self._abandon)
         if config.memory:  # a restart resumes from them even under resume=False: see Trainer.fit
             from ddpkit.snapshot._memory import open_memory
 
@@ -416,7 +422,7 @@ class Snapshots:
         got = self._restore(load or self.load_state_dict)
         restored = time.time()
         if got is None:
-            self._resumed(lifetime.Resume(0, "none", started, restored))
+            self._resumed(Resume(0, "none", started, restored))
             return 0
         if got.disk:
             self.schedule.written(self.position())  # already on disk
@@ -440,12 +446,12 @@ class Snapshots:
             # records written after the snapshot, moved to metrics.rewound.jsonl
             "rewound_records": getattr(self.states.get("records"), "rewound", 0),
         })  # fmt: skip
-        self._resumed(lifetime.Resume(t.step, got.source, started, restored))
+        self._resumed(Resume(t.step, got.source, started, restored))
         return t.step
 
-    def _resumed(self, resume: lifetime.Resume) -> None:
+    def _resumed(self, resume: Resume) -> None:
         """Record what the process's launcher adds to a resume (in-place recovery's ``recover``)."""
-        for event in lifetime.resumed(resume):
+        for event in resumed(resume):
             self.log("event", resume.step, event)
 
     def _restore(self, load: Load) -> Resumed | None:

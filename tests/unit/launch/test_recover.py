@@ -171,7 +171,7 @@ def test_a_world_made_again_gets_new_writer_groups():
 
 
 def test_a_failed_runs_holders_are_let_go_newest_first_and_a_gone_one_is_skipped():
-    from ddpkit.distributed import _lifetime as lifetime
+    from ddpkit.distributed import _runtime as lifetime
 
     let_go: list[str] = []
 
@@ -358,18 +358,19 @@ def test_in_place_recovery_needs_a_restart_budget_and_covers_several_nodes(tmp_p
     from ddpkit._launch.cli.options import LaunchConfig
     from ddpkit._launch.cli.run import in_place_recovery
     from ddpkit.distributed import _channels as channels
+    from ddpkit.distributed import _runtime as runtime
 
     monkeypatch.setenv(channels.JOB_DIR_ENV, str(tmp_path))
     with pytest.raises(ConfigError, match="--max-restarts N"):
         in_place_recovery(LaunchConfig(script="x.py", recover="in-place"))
-    assert not channels.recovers_in_place()
+    assert not runtime.recovers_in_place()
     cfg = LaunchConfig(
         script="x.py", recover="in-place", max_restarts=1, nnodes="2",
         rdzv_endpoint="127.0.0.1:29400", join_timeout=7.0, node_timeout=9.0,
     )  # fmt: skip
     found = in_place_recovery(cfg)
     assert found is not None and found.join_timeout == 7 and found.node_timeout == 9
-    assert channels.recovers_in_place()  # the workers see it
+    assert runtime.recovers_in_place()  # the workers see it
     with pytest.raises(ConfigError, match="recover"):
         LaunchConfig(script="x.py", recover="sideways")  # type: ignore[arg-type]
 

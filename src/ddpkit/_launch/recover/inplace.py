@@ -298,12 +298,6 @@ class InPlace:
         self.generation = generation
         fs.write_atomic(self.folder / "last", str(generation).encode())
 
-    def closed(self) -> int:
-        """The newest recovery this node knows closed (across nodes, the job's)."""
-        if self.agreement is not None:
-            return max(self.generation, self.agreement.closed())
-        return self.generation
-
     def finished(self) -> None:
         """The attempt ended: this node leaves the agreement (its agent ends its link)."""
         self.agreement = None

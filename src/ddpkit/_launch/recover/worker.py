@@ -29,7 +29,7 @@ from ddpkit._errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
 from ddpkit._fs import lock
 from ddpkit._launch.proctree import sockets
 from ddpkit.distributed import _channels as channels
-from ddpkit.distributed import _lifetime as lifetime
+from ddpkit.distributed import _runtime
 from ddpkit.platforms import _torchrun as torchrun
 
 WORD_POLL = 0.1
@@ -109,7 +109,7 @@ def start() -> None:
     started_in = int(recovery["recovery"]) if recovery is not None else 0
     channels.on_message("incident", lambda g: _sever_for(int(g)))
     channels.on_message("word", lambda g: _worker.word.set() if _worker is not None else None)
-    lifetime.on_resume(_recover_event)
+    _runtime.on_resume(_recover_event)
     channels.serve()
     # what the process had before its script first ran: after the inbox's thread
     _worker = _Worker(_Baseline.now(), started_in, started_in, recovery)
@@ -236,15 +236,13 @@ def clean(error: BaseException) -> list[str]:
     the script started, an object a module of its own keeps), a line each."""
     import torch
 
-    from ddpkit.distributed import _runtime
-
     # the frames of a traceback hold the script's globals (a module's frame keeps them whatever
     # clear_frames does): the error keeps its traceback as text (for the agent's error file)
     error.__ddpkit_traceback__ = "".join(traceback.format_exception(error))  # type: ignore[attr-defined]
     for e in _chain(error):
         traceback.clear_frames(e.__traceback__)
         e.__traceback__ = None
-    left = lifetime.release_all()
+    left = _runtime.release_all()
     lock.release_all()
     _runtime.forget_for_recovery()
     baseline = _worker.baseline if _worker is not None else None
@@ -349,7 +347,7 @@ def _recoverable(error: BaseException) -> bool:
     return not isinstance(error, Preempted)
 
 
-def _recover_event(resume: lifetime.Resume) -> dict[str, Any] | None:
+def _recover_event(resume: _runtime.Resume) -> dict[str, Any] | None:
     """The ``recover`` event of the first resume after a recovery in place (rank 0's times: from
     the failure's first sign to its state loaded)."""
     worker = _worker
@@ -357,8 +355,6 @@ def _recover_event(resume: lifetime.Resume) -> dict[str, Any] | None:
     if worker is None or go is None or go["recovery"] == worker.recorded:
         return None
     worker.recorded = go["recovery"]
-    from ddpkit.distributed import _runtime
-
     seen, left, decided = go["seen"], go["left"], go["decided"]
     return {
         "event": "recover", "recovery": go["recovery"], "replaced": go["replaced"],
