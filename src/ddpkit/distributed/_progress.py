@@ -136,6 +136,20 @@ def _write() -> None:
     _ints[_SEQ] = _seq
 
 
+def reset() -> None:
+    """This rank's record as a fresh process keeps it (a script run again in its process, ``ddpkit
+    run --recover in-place``): no step, no collective counted; the count of marks goes on, so that
+    the agent sees the record change. A survivor that kept its counts would seem ahead of a
+    replacement that starts at 0, and the stall watch would blame the replacement."""
+    global _phase, _op, _step, _steps, _coll, _numel, _peer, _step_at, _last_step, _timeout
+    global _trainer_counts, _depth
+    _phase, _op, _step, _steps, _coll, _numel, _peer = Phase.STARTING, 0, 0, 0, 0, -1, -1
+    _step_at = _last_step = _timeout = 0.0
+    _trainer_counts, _depth = False, 0
+    if _ints is not None:
+        _write()
+
+
 def collective_timeout(seconds: float) -> None:
     """The process group's collective timeout, written with the rank's next mark (a record made
     before its first mark would let a rank's work before it count as a stall)."""

@@ -216,7 +216,8 @@ def _join(launch: LaunchEnv, backend: str, dev: torch.device, timeout: timedelta
 
 def _rendezvous_store(launch: LaunchEnv, timeout: timedelta) -> Any:
     """The job's rendezvous store, made once per process and kept for every later init() (a new
-    server on the old one's port could be reached by a peer as the old one goes)."""
+    server on the old one's port could be reached by a peer as the old one goes); forgotten for a
+    rerun in place (:func:`forget_for_recovery`), whose store is a new one at a new address."""
     global _store_of
     key = (_init_method(launch), launch.rank, launch.world_size)
     if _store_of is None or _store_of[0] != key:
@@ -355,7 +356,8 @@ def _destroy(settle: bool = True) -> None:
 def forget_for_recovery() -> None:
     """Leave this process as before its first :func:`init` (a worker that left a failed step, to run
     its script again): every process group destroyed and torch's count of them reset, the runtime
-    and the rendezvous store forgotten. No barrier: a peer is gone."""
+    and the rendezvous store forgotten, its progress record counted afresh. No barrier: a peer is
+    gone."""
     global _runtime, _group_store, _store_of, _generation
     from ddpkit._internals.groups import reset_process_groups
 
@@ -363,6 +365,7 @@ def forget_for_recovery() -> None:
         reset_process_groups()
     _runtime = _group_store = _store_of = None
     _generation = 0
+    progress.reset()
 
 
 # -- Printing and logging from the main rank of a group only (the DDP tutorials' ``if rank == 0:

@@ -26,7 +26,7 @@ print("marked", progress.watched())
 
 
 def _mark(env: dict, folder, patch: str = "") -> subprocess.CompletedProcess:
-    env = env | {"DDPKIT_PROGRESS_DIR": str(folder), "RANK": "0"}
+    env = env | {"DDPKIT_JOB_DIR": str(folder), "RANK": "0"}  # its records under progress/
     code = MARK.format(patch=patch)
     return subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
@@ -35,6 +35,7 @@ def _mark(env: dict, folder, patch: str = "") -> subprocess.CompletedProcess:
 
 def test_a_rank_without_room_for_its_record_goes_on_unwatched(tmp_path, clean_env):
     with small_tmpfs(tmp_path / "shm", "64k") as shm:
+        (shm / "progress").mkdir()
         fill(shm)
         done = _mark(clean_env, shm)
         assert done.returncode == 0, done.stderr

@@ -47,10 +47,17 @@ DISPOSITIONS = {
     signal.default_int_handler: "python's",
 }
 rank = int(os.environ["RANK"])
+
+
+def _agent_pid() -> int:
+    """The agent's pid, as the job folder's owner file states it."""
+    return int((Path(os.environ["DDPKIT_JOB_DIR"]) / "owner").read_text().split()[0])
+
+
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 found = {
     "preloaded": PRELOADED,
-    "parent_is_agent": os.getppid() == int(os.environ["DDPKIT_AGENT_PID"]),
+    "parent_is_agent": os.getppid() == _agent_pid(),
     "session_leader": os.getsid(0) == os.getpid(),
     "argv": sys.argv[1:],
     "cwd": os.getcwd(),

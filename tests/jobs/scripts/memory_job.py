@@ -9,7 +9,7 @@ and the controls: memory off, and no copy of every rank's own part on its peers.
 
     python -m tests.jobs.scripts.memory_job RUN_DIR --log DIR [--kill-rank R --kill-after-step S]
         [--kill-delay SECONDS] [--kill-in-copy S] [--no-memory] [--disk-every-steps N] [--out FILE]
-        [--kill-again R S] [--kill-in-restore R] [--sleep-at R S SECONDS]
+        [--kill-again R S] [--kill-in-restore R] [--sleep-at R S SECONDS] [--fill-memory BYTES]
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from typing import Any
 import ddpkit
 import ddpkit.snapshot._memory
 import ddpkit.snapshot._slots
+from ddpkit.distributed._channels import JOB_DIR_ENV
 from tests.jobs.scripts.train_job import train
+from tests.tmpfs import fill
 
 
 def _sigkill(log: str, what: str) -> None:
@@ -163,6 +165,13 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="on the first attempt, RANK pauses after STEP",
     )
+    p.add_argument(
+        "--fill-memory",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="rank 0, before the first attempt starts: fill the job folder's file system but BYTES",
+    )
     p.add_argument("--augment", action="store_true")
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--no-sync-bn", action="store_true")
@@ -180,6 +189,10 @@ def main() -> None:
     Path(a.log, f"pid-rank{rank}-attempt{attempt}").write_text(str(os.getpid()))
     with open(Path(a.log, f"pids-rank{rank}.txt"), "a") as f:  # every run, a restart for a node
         f.write(f"{os.getpid()}\n")  # that joined included (torch does not count it)
+    if a.fill_memory is not None and rank == 0 and attempt == "0":
+        # Before ddpkit.init(), which no rank passes alone: no rank has made a slot yet. The job
+        # started with room (the agent checks); the room is gone when the first copy is made.
+        fill(Path(os.environ[JOB_DIR_ENV]), leave=a.fill_memory)
     dying = None
     if a.kill_in_restore is not None:
         kill_inside_restore(a.kill_in_restore, a.log)

@@ -7,9 +7,11 @@ edges of a recovery.
 
 A failure's ``ATTEMPT`` is the run's restart count (``TORCHELASTIC_RESTART_COUNT``: a survivor's
 rerun counts one more). Kinds: ``raise-before-init``, ``kill-before-init``, ``stop-before-init``,
-``sleep-before-init:SECONDS``, ``kill-after-step:STEP``, ``stop-after-step:STEP``. Every run of the
-script writes a line to ``LOG/rank<R>.jsonl`` at its top: its attempt, pid, the optimizers and
-modules alive in the process (the collector's), its resident memory; at the end each rank writes
+``sleep-before-init:SECONDS``, ``told-before-init`` (waits until its agent has opened a recovery:
+the other ranks are being told), ``kill-after-step:STEP``, ``stop-after-step:STEP``. Every run of
+the script writes a line to ``LOG/rank<R>.jsonl`` at its top: its attempt, pid, the optimizers and
+modules alive in the process (the collector's), its resident memory and open files; at the end
+each rank writes
 its weights to ``LOG/final-rank<R>.pt``. ``--control KIND``: ``keep-global``, the run keeps its
 optimizer in a module's global (what a rerun cannot let go of); ``no-reset``, torch's count of
 process groups left as a failed run leaves it.
@@ -18,6 +20,7 @@ process groups left as a failed run leaves it.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import os
@@ -58,6 +61,9 @@ def due(a: argparse.Namespace, kind: str) -> str | None:
 def top(a: argparse.Namespace) -> None:
     """A line at the top of this run: what the process holds of earlier runs."""
     gc.collect()
+    # freed memory given back first: the resident size counts what is alive, not the allocator's
+    # free lists (which threads' arenas keep as it happens)
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     alive = gc.get_objects()
     record = {
         "attempt": ATTEMPT,
@@ -65,6 +71,7 @@ def top(a: argparse.Namespace) -> None:
         "optimizers": sum(isinstance(o, torch.optim.Optimizer) for o in alive),
         "modules": sum(isinstance(o, torch.nn.Module) for o in alive),
         "rss": int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE"),
+        "fds": len(os.listdir("/proc/self/fd")),
     }
     with open(Path(a.log) / f"rank{RANK}.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
@@ -86,7 +93,13 @@ def controls(a: argparse.Namespace) -> None:
 
 def before_init(a: argparse.Namespace) -> None:
     if (seconds := due(a, "sleep-before-init")) is not None:
-        time.sleep(float(seconds))
+        time.sleep(float(seconds))  # the planned edge made likely; any order passes the tests
+    if due(a, "told-before-init") is not None:
+        from ddpkit.distributed import _channels as channels
+
+        incident = channels.channel(channels.RECOVER) / "incident"  # type: ignore[operator]
+        while not incident.exists():
+            time.sleep(0.01)
     if due(a, "raise-before-init") is not None:
         raise RuntimeError("planned failure before init()")
     if due(a, "stop-before-init") is not None:

@@ -361,9 +361,11 @@ def test_memory_full_falls_back_to_disk_snapshots_with_one_warning(
     tmp_path, job_env, plain_reference
 ):
     reference = use_reference(plain_reference, tmp_path)
-    # the job's folder fits; a slot (64 KiB of values alone) does not
-    with small_tmpfs(tmp_path / "shm", "64k"):
+    # The job starts with room (the agent wants 1 MiB free); then the shared memory fills, leaving
+    # 16 KiB: a slot (64 KiB of values alone) does not fit.
+    with small_tmpfs(tmp_path / "shm", "2m"):
         args = ["--disk-every-steps", "3", "--kill-rank", "1", "--kill-after-step", "14"]
+        args += ["--fill-memory", str(16 << 10)]
         final, out = run_job(tmp_path, "full", *args, env=job_env)
     warnings = [line for line in out.splitlines() if "snapshots in memory stop" in line]
     print("\n" + "\n".join(warnings))

@@ -70,6 +70,44 @@ def test_cutting_a_ranks_links_ends_its_peers_pending_gloo_collective_and_abort_
     assert run_on_ranks(_pending_all_reduce, 2, (False,))[0] == "pending, then raised"
 
 
+def _all_reduce_on_a_mesh(noted: bool) -> str:
+    """A 2 x 2 ``DeviceMesh``'s groups (torch's ``device_mesh`` keeps its own binding of
+    ``new_group``), made after ``note_links`` (``noted``) or before it; rank 1 cuts its links, and
+    rank 0's all-reduce on the mesh's group of ranks 0 and 1 ends how?"""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.barrier()  # the default group's links made: not cut
+    if noted:
+        recovering.note_links()
+    group = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b")).get_group("b")
+    if not noted:
+        recovering.note_links()
+    pair = dist.get_rank() - dist.get_rank() % 2
+    assert dist.get_process_group_ranks(group) == [pair, pair + 1]  # a group of its own, not WORLD
+    dist.barrier()
+    os.environ["MASTER_PORT"] = "1"  # the store's connections not cut (the test's end waits on it)
+    if dist.get_rank() == 1:
+        recovering.sever()
+        dist.barrier()
+        if not noted:  # its links not cut: rank 0's all-reduce completes with it
+            dist.all_reduce(torch.ones(4), group=group)
+        return ""
+    dist.barrier()
+    if dist.get_rank() != 0:
+        return ""
+    try:
+        dist.all_reduce(torch.ones(4), group=group)
+    except RuntimeError as err:
+        return "timed out" if "Timed out" in str(err) else "raised"
+    return "completed"
+
+
+def test_the_cut_reaches_a_device_meshs_group():
+    assert run_on_ranks(_all_reduce_on_a_mesh, 4, (True,))[0] == "raised"
+    # Control: a mesh made before its maker was wrapped keeps its links through the cut.
+    assert run_on_ranks(_all_reduce_on_a_mesh, 4, (False,))[0] == "completed"
+
+
 def _group_never_joined(cut: bool) -> str:
     """Rank 0 makes a new group rank 1 never joins (it waits on the store for rank 1's address);
     another thread of rank 0 cuts its links (``cut``). How rank 0's ``new_group`` ended."""
@@ -264,7 +302,7 @@ class FakeWorkers:
 
 def in_place(tmp_path: Path, ranks: list[int], **kw) -> recover.InPlace:
     place = recover.InPlace(tmp_path, **kw)
-    place.start(recover.Round("r", 0, 1, "127.0.0.1", ranks))
+    place.start(recover.Round("127.0.0.1", ranks))
     return place
 
 
@@ -321,6 +359,11 @@ def test_a_rank_that_does_not_leave_in_time_is_killed_and_replaced(tmp_path):
     assert place.poll(agent) and agent.killed == [] and not place.fallback
 
 
+def _state(pid: int) -> str:
+    """The process's state letter (``T``: stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+
+
 @pytest.fixture
 def sleeper():
     """A real process that sleeps (stands for a healthy worker)."""
@@ -348,8 +391,10 @@ def test_control_a_worker_stopped_for_a_moment_runs_on(tmp_path, sleeper):
     agent = FakeWorkers({0: None, 1: None}, pids={0: 1_000_000, 1: sleeper.pid})
     place = in_place(tmp_path, [0, 1], timeout=600.0)
     os.kill(sleeper.pid, signal.SIGSTOP)
+    wait_until(lambda: _state(sleeper.pid) == "T", 60, what="the worker stopped")
     assert not place.poll(agent)  # seen stopped: not yet a failure
     os.kill(sleeper.pid, signal.SIGCONT)
+    wait_until(lambda: _state(sleeper.pid) != "T", 60, what="the worker continued")
     time.sleep(recover.STOPPED_AFTER)  # past the bound, continued: its stop is forgotten
     assert not place.poll(agent) and agent.killed == [] and place.incident is None
 
@@ -451,9 +496,7 @@ class Node:
         self.workers = FakeWorkers({r: None for r in ranks})
         self.place = recover.InPlace(self.folder, node_timeout=node_timeout, **kw)
         self.waiting = 0
-        self.place.start(
-            recover.Round("r", n, 2, "127.0.0.1", ranks, self.link, lambda: self.waiting)
-        )
+        self.place.start(recover.Round("127.0.0.1", ranks, self.link, lambda: self.waiting))
 
     def poll(self) -> bool:
         return self.place.poll(self.workers)
@@ -706,7 +749,7 @@ def test_the_job_store_lost_ends_this_nodes_workers_naming_it(store, tmp_path):
     until(lambda: not a.poll(), "node a to end its workers past --node-timeout")
     assert "the job's rendezvous store does not answer this node" in a.place.fallback
     assert a.place.left_job() and a.workers.restarts == 0
-    assert a.workers.killed and "ended: the job's rendezvous store" in a.workers.killed[0][1]
+    assert a.workers.killed == [([0], "ended: this node leaves the job")]
     a.close(), b.close()
 
 

@@ -236,6 +236,33 @@ def test_the_group_timeout_reaches_the_record_with_the_first_mark_not_before(tmp
     progress._buf.close()
 
 
+def test_a_rerun_in_place_counts_its_record_afresh(tmp_path, monkeypatch):
+    """A survivor's record after ``forget_for_recovery`` reads as a fresh process's: no step, no
+    collective, the count of marks gone on. Control: the failed run's counts, read before it, would
+    put the survivor ahead of a replacement starting at step 0 (the watch would blame that one)."""
+    tmp_path = _job_folder(tmp_path, monkeypatch)
+    monkeypatch.setenv("RANK", "1")
+    for name in ("_buf", "_ints", "_floats"):
+        monkeypatch.setattr(progress, name, None)
+    monkeypatch.setattr(progress, "_opened", False)
+    for name, value in {"_timeout": 0.0, "_trainer_counts": False, "_step": 0, "_steps": 0}.items():
+        monkeypatch.setattr(progress, name, value)
+    progress.begin_step(7)
+    with progress.collective("all_reduce"):
+        pass
+    failed = watch.read_record(tmp_path / "rank1.progress")
+    assert failed is not None and failed.step == 7 and failed.coll >= 1  # the control
+    from ddpkit.distributed import _runtime
+
+    _runtime.forget_for_recovery()
+    rerun = watch.read_record(tmp_path / "rank1.progress")
+    assert rerun is not None and (rerun.step, rerun.steps, rerun.coll) == (0, 0, 0)
+    assert rerun.phase == Phase.STARTING and rerun.seq > failed.seq
+    progress._ints.release()
+    progress._floats.release()
+    progress._buf.close()
+
+
 def test_outside_ddpkit_run_marks_write_nothing(tmp_path, monkeypatch):
     monkeypatch.delenv(channels.JOB_DIR_ENV, raising=False)
     for name in ("_buf", "_ints", "_floats"):

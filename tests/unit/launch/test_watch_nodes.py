@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from ddpkit._launch.rendezvous.link import NodeLink
+from ddpkit._launch.rendezvous.link import NodeLink, read
 from ddpkit._launch.watch import stall as watch
 from ddpkit._launch.watch import verdict as watch_nodes
 from ddpkit._launch.watch.verdict import View, decide, decode, encode
@@ -162,11 +162,20 @@ def test_a_store_that_is_gone_never_reaches_the_watch():
         client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=2))
         link = NodeLink(client, "r", 0, 2)
         link.publish(encode(0, "host0", 1, set(), [WAITING]), want=True)
-        _until(lambda: link.unanswered() < 1.0)  # it beat
+        _until(lambda: read(client, "ddpkit/nodes/r/beat/0") is not None)  # it beat
         host.kill()  # the store's host is gone
-        _until(lambda: link.unanswered() > 1.0)
+        host.wait()
+
+        def gone() -> bool:
+            try:
+                read(link.store, "ddpkit/nodes/r/beat/1")
+            except Exception:  # noqa: BLE001  (torch's or the bound's)
+                return True
+            return False
+
+        _until(gone)
         assert link.summaries() == {}
-        link.close()
+        link.close()  # returns: every operation of its threads is bounded
     finally:
         host.kill()
         host.wait()

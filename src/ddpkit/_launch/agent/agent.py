@@ -108,8 +108,7 @@ class Agent(HookedAgent):
             addr = getattr(handler, "addr", None) or "127.0.0.1"
             ranks = sorted(self.attempt.ranks)
             waiting = getattr(handler, "nodes_waiting", lambda: 0)
-            self.in_place.start(Round(round_name, worker_group.group_rank or 0, nodes, addr, ranks,
-                                      self.link, waiting))  # fmt: skip
+            self.in_place.start(Round(addr, ranks, self.link, waiting))
 
     # -- in-place recovery's view of the agent (recover.inplace.Workers) ---------------------------
 
@@ -125,7 +124,7 @@ class Agent(HookedAgent):
 
     def kill(self, ranks: list[int], why: str) -> None:
         """SIGKILL the workers of ``ranks``, saying why, and where each was (its stack)."""
-        say(f"rank(s) {', '.join(map(str, ranks))} {why}, to be replaced")
+        say(f"rank(s) {', '.join(map(str, ranks))} {why}")
         pids = self.pids()
         # a stopped process cannot answer: its stack is not asked
         asked = {r: pids[r] for r in ranks if r in pids and state_code(pids[r]) not in STOPPED}

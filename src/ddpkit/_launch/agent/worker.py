@@ -97,7 +97,11 @@ def main() -> None:
     sys.argv = argv
     # as `python script.py`: the script's folder first on the import path
     sys.path[0] = os.getcwd() if as_module else os.path.dirname(os.path.abspath(target))
-    _run(target, as_module)
+    try:
+        _run(target, as_module)
+    finally:
+        # the interpreter's teardown deletes what it lists: frozen objects would be left alone
+        gc.unfreeze()
 
 
 if __name__ == "__main__":

@@ -70,7 +70,8 @@ class Workers(Protocol):
         """Start a new process for global rank ``rank``, whose process exited, with ``env``."""
 
     def kill(self, ranks: list[int], why: str) -> None:
-        """SIGKILL the workers of ``ranks``, saying ``why`` and where each was (its stack)."""
+        """SIGKILL the workers of ``ranks``, saying ``why`` ("rank(s) 2 WHY") and where each was
+        (its stack)."""
 
     def stall_ended(self) -> bool:
         """Whether the stall watch ended the attempt (but for stopped ranks, a failure as any)."""
@@ -81,13 +82,10 @@ class Workers(Protocol):
 
 @dataclass(frozen=True)
 class Round:
-    """The rendezvous round this node's workers run in: node ``node`` of ``nodes`` at ``addr``, its
-    workers' global ``ranks``; across nodes, its ``link`` to the others and the count of nodes
-    waiting in torch's rendezvous (``waiting``)."""
+    """The rendezvous round this node's workers run in: this node's address ``addr``, its workers'
+    global ``ranks``; across nodes, its ``link`` to the others and the count of nodes waiting in
+    torch's rendezvous (``waiting``)."""
 
-    name: str
-    node: int
-    nodes: int
     addr: str
     ranks: list[int]
     link: NodeLink | None = None
@@ -96,12 +94,14 @@ class Round:
 
 @dataclass
 class Incident:
-    """A failure being recovered: recovery ``generation``, seen at ``seen`` (time.time())."""
+    """A failure being recovered: recovery ``generation``, seen at ``seen`` (``time.time()``, for
+    the records; every deadline counts from ``opened``, ``time.monotonic()``)."""
 
     generation: int
     seen: float
+    opened: float = field(default_factory=time.monotonic)
     replaced: dict[int, int] = field(default_factory=dict)  # global rank -> exit code
-    killed: list[int] = field(default_factory=list)  # ranks killed: stopped, or late to leave
+    killed: dict[int, float] = field(default_factory=dict)  # rank killed -> when (monotonic)
     reported: bool = False  # across nodes: this node's word is on the store
     offered: float | None = None  # across nodes: when the decider offered the lost nodes' places
     lost: dict[int, str] | None = None  # across nodes: the nodes the decider found lost, and why
@@ -143,7 +143,7 @@ class InPlace:
     def start(self, round: Round) -> None:
         """The workers of a new attempt (the first, a whole restart, a new node's) start in
         ``round``; across nodes, counting recoveries on from the job's."""
-        self.round, self.incident, self._stopped = round, None, {}
+        self.round, self.incident, self._stopped, self._unanswered = round, None, {}, None
         self.agreement = Agreement(round.link) if round.link is not None else None
         if self.agreement is not None:
             self.agreement.announce(round.ranks)
@@ -163,7 +163,8 @@ class InPlace:
         return self.incident is not None
 
     def left_job(self) -> bool:
-        """Whether this node left the job while it goes on (counted lost and replaced)."""
+        """Whether this node left the job (counted lost and replaced, or cut from its store; why:
+        :attr:`fallback`)."""
         return self.replaced
 
     def joined_start(self, place: Joined, workers: Workers) -> None:
@@ -195,6 +196,7 @@ class InPlace:
         waiting = self._waiting()
         link = self.agreement
         stopped = self._stopped_long(workers, codes)
+        why = self._why_not(codes, workers)
         if self.incident is None:
             failed = {r for r, c in codes.items() if c not in (None, 0)}
             local = bool(failed or waiting or stopped)
@@ -205,24 +207,29 @@ class InPlace:
             )
             if not local and not remote:
                 return False
-            self._open(workers, link)
+            # given back at once (a pre-emption, a finished rank, no restart left): the ranks
+            # are not cut from each other, torchrun stops them as without the option
+            self._open(workers, link, tell=not why)
         incident = self.incident
         assert incident is not None
-        if stopped:  # it cannot leave its step: its state is in memory like the others'
-            incident.killed += stopped
-            workers.kill(stopped, f"stopped (SIGSTOP) for {STOPPED_AFTER:g} s or more: killed")
+        if stopped and not why:  # it cannot leave its step: its state is in memory like the others'
+            self._kill(workers, stopped, f"stopped (SIGSTOP) for {STOPPED_AFTER:g} s or more")
             return True
         outcome = link.outcome(incident.generation) if link is not None else None
         if outcome is None:
-            why = self._why_not(codes, workers)
             exited = {r: c for r, c in codes.items() if c is not None}
             if not why and set(exited) | set(waiting) != set(codes):
+                now = time.monotonic()
                 late = sorted(set(codes) - set(exited) - set(waiting) - set(incident.killed))
-                if late and time.time() - incident.seen > self.timeout:
-                    incident.killed += late
-                    workers.kill(late, f"did not leave their step within {self.timeout:g} s "
-                                       "of the failure: killed")  # fmt: skip
-                return True
+                if late and now - incident.opened > self.timeout:
+                    self._kill(workers, late, f"did not leave their step within {self.timeout:g} s "
+                                              "of the failure")  # fmt: skip
+                undying = [r for r in incident.killed if codes.get(r) is None
+                           and now - incident.killed[r] > self.timeout]  # fmt: skip
+                if not undying:
+                    return True
+                states = ", ".join(f"rank {r} {state_code(workers.pids()[r])}" for r in undying)
+                why = f"killed rank(s) did not exit {self.timeout:g} s after SIGKILL ({states})"
             if why:
                 outcome = {"end": why}
                 if link is not None:
@@ -241,17 +248,25 @@ class InPlace:
         self._end(outcome.get("end") or self.fallback)
         return False
 
-    def _open(self, workers: Workers, link: Agreement | None) -> None:
-        """A failure seen: recovery G raised, and every worker told."""
+    def _open(self, workers: Workers, link: Agreement | None, tell: bool = True) -> None:
+        """A failure seen: recovery G raised (on the job's store too), and every worker told where
+        ``tell``."""
         self.incident = Incident(self.generation + 1, time.time())
         self.fallback = ""
         g = self.incident.generation
-        # the file first: a worker that starts to read its inbox after the messages finds it
-        fs.write_atomic(self.folder / "incident", str(g).encode())
-        for pid in workers.pids().values():
-            channels.send(pid, "incident", str(g))
+        if tell:
+            # the file first: a worker that starts to read its inbox after the messages finds it
+            fs.write_atomic(self.folder / "incident", str(g).encode())
+            for pid in workers.pids().values():
+                channels.send(pid, "incident", str(g))
         if link is not None:
             link.raise_incident(g)
+
+    def _kill(self, workers: Workers, ranks: list[int], why: str) -> None:
+        """The workers of ``ranks`` killed for ``why``, to be replaced with those that exited."""
+        assert self.incident is not None
+        self.incident.killed |= dict.fromkeys(ranks, time.monotonic())
+        workers.kill(ranks, f"{why}: killed, to be replaced")
 
     def _stopped_long(self, workers: Workers, codes: dict[int, int | None]) -> list[int]:
         """The running workers stopped (SIGSTOP) :data:`STOPPED_AFTER` seconds, not yet killed."""
@@ -289,7 +304,7 @@ class InPlace:
             self.incident = Incident(self.generation + 1, time.time())
         self.fallback, self.replaced = why, True
         workers.stop_restarting()
-        workers.kill(sorted(workers.pids()), "ended: " + why)
+        workers.kill(sorted(workers.pids()), "ended: this node leaves the job")
         self._end(why)
         return False
 
@@ -382,7 +397,7 @@ class InPlace:
             incident.reported = True
         link.compare_set(f"{g}/decider", str(link.node))
         decider = int(link.get(f"{g}/decider") or b"-1")
-        waited = time.time() - incident.seen
+        waited = time.monotonic() - incident.opened
         if decider != link.node:
             if lost := link.lost([decider]):
                 return link.decide(
@@ -460,7 +475,7 @@ class InPlace:
             workers.stop_restarting()
             self.agreement.link.close()  # its beat is the new node's now
             self.agreement = None
-            workers.kill(sorted(workers.pids()), "ended: " + self.fallback)
+            workers.kill(sorted(workers.pids()), "ended: this node was replaced")
             return False
         workers.use_restart()
         if self.agreement is not None:

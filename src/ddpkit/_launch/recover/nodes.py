@@ -15,12 +15,12 @@ import json
 import os
 import secrets
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from ddpkit._errors import ConfigError
 from ddpkit._launch import say
-from ddpkit._launch.rendezvous.link import NodeLink, connection, read
+from ddpkit._launch.rendezvous.backend import Joined
+from ddpkit._launch.rendezvous.link import BoundedStore, NodeLink, read
 
 KEY = "ddpkit/recover/"
 
@@ -84,45 +84,36 @@ class Agreement:
             self.set("job", {"round": self.round, "size": self.nodes})
 
 
-@dataclass
-class Joined:
-    """A lost node's place taken by a new node: recovery ``go``'s record, the round's name, and
-    this node's link to the others (beating since its claim)."""
-
-    node: int
-    nodes: int
-    round_name: str
-    go: dict[str, Any]
-    link: NodeLink
-
-
 def join(
     store: Any, addr: str, nproc: int, wait: float, join_timeout: float, node_timeout: float
 ) -> Joined | None:
     """For a node of ``nproc`` workers starting in a job that recovers in place: the place of a
     lost node, claimed, once the job's agents say go; None where no place is open (or none opens
     within ``wait`` seconds of a recovery under way): torch's rendezvous follows."""
-    reader = _Reader(connection(store))
-    found = _vacancy(reader, store, wait, join_timeout)
-    if found is None:
+    reader = _Reader(BoundedStore(store))
+    try:
+        found = _vacancy(reader, store, wait, join_timeout)
+        if found is None:
+            return None
+        generation, vacant = found
+        place = _claim(reader, addr, nproc, generation, vacant)
+        if place is None:
+            return None  # of another size: torch's rendezvous takes it in at a whole restart
+        say(f"taking the place of lost node {place} (recovery {generation})")
+        # beating from now: the others must not count the place lost again while this node starts
+        mine = NodeLink(store, vacant["round"], place, vacant["size"], addr, node_timeout)
+        deadline = time.monotonic() + join_timeout
+        while time.monotonic() < deadline:
+            outcome = reader.get_json(f"{generation}/outcome")
+            if outcome is not None and "go" in outcome:
+                return Joined(place, vacant["size"], vacant["round"], outcome["go"], mine)
+            if outcome is not None:
+                break
+            time.sleep(0.02)
+        mine.close()
         return None
-    generation, vacant = found
-    place = _claim(reader, addr, nproc, generation, vacant)
-    if place is None:
-        return None  # of another size: torch's rendezvous takes it in at a whole restart
-    say(f"taking the place of lost node {place} (recovery {generation})")
-    # beating from now: the others must not count the place lost again while this node starts
-    mine = NodeLink(store, vacant["round"], place, vacant["size"], addr, node_timeout)
-    deadline = time.monotonic() + join_timeout
-    while time.monotonic() < deadline:
-        outcome = reader.get_json(f"{generation}/outcome")
-        if outcome is not None and "go" in outcome:
-            return Joined(place, vacant["size"], vacant["round"], outcome["go"], mine)
-        if outcome is not None:
-            break
-        time.sleep(0.02)
-    mine.close()
-    return None
+    finally:
+        reader.conn.close()
 
 
 class _Reader:
@@ -137,6 +128,10 @@ class _Reader:
 
     def incident(self) -> int:
         return int(read(self.conn, KEY + "incident") or b"0")
+
+    def finished(self, round_name: str, node: int) -> bool:
+        """Whether ``node`` of round ``round_name`` said its workers succeeded (its link's key)."""
+        return read(self.conn, f"ddpkit/nodes/{round_name}/done/{node}") is not None
 
 
 def _vacancy(
@@ -153,6 +148,7 @@ def _vacancy(
             f"(--join-timeout, {join_timeout:g} s)"
         )
     deadline = time.monotonic() + (join_timeout if full else wait)
+    next_look = 0.0
     while True:
         generation = reader.incident()
         if generation and reader.get_json(f"{generation}/outcome") is None:
@@ -161,8 +157,10 @@ def _vacancy(
                 return generation, vacant
         elif not full:
             return None  # no recovery under way
-        elif _all_finished(store, job):
-            raise ConfigError("the job finished while this node waited for a node's place")
+        elif time.monotonic() >= next_look:  # once a second: each look is a node's key
+            next_look = time.monotonic() + 1.0
+            if all(reader.finished(job["round"], n) for n in range(job["size"])):
+                raise ConfigError("the job finished while this node waited for a node's place")
         if time.monotonic() > deadline:
             return None
         time.sleep(0.05)
@@ -195,11 +193,6 @@ def _all_alive(store: Any, job: dict[str, Any]) -> bool:
     """Whether every node of ``job`` (its round and size) has an agent that answers a probe."""
     reader = NodeLink(store, job["round"])
     return all(reader.alive(n) for n in range(job["size"]))
-
-
-def _all_finished(store: Any, job: dict[str, Any]) -> bool:
-    reader = NodeLink(store, job["round"])
-    return all(map(reader.finished, range(job["size"])))
 
 
 def listed(numbers: Any) -> str:

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,41 +139,47 @@ def _sever_for(generation: int) -> None:
 
 
 def _noting_links(make: Any) -> Any:
-    """``make`` (torch's ``init_process_group`` or ``new_group``), noting the sockets it opens:
-    gloo's connections to the other ranks, which :func:`sever` cuts, while it runs too."""
+    """``make`` (one of torch's makers of process groups), noting the sockets it opens: gloo's
+    connections to the other ranks, which :func:`sever` cuts, while it runs too."""
 
     @functools.wraps(make)
     def made(*args: Any, **kwargs: Any) -> Any:
-        worker = _worker
-        if worker is not None and worker.handled > worker.went_on:
-            # cut off for a failure: a group made now would wait for a lost rank
-            raise RuntimeError(
-                f"a failure is being recovered in place (recovery {worker.handled}): this rank "
-                "leaves its step instead of making a process group"
-            )
+        _refuse_while_cut_off()
         before = sockets()
         _making.append(before)
         try:
             return make(*args, **kwargs)
         finally:
-            _making.remove(before)
+            # noted before the group stops counting as being made: a cut in between misses none
             _links.extend((fd, t) for fd, t in sockets().items() if before.get(fd) != t)
+            _making.remove(before)
+            # a cut while it was made may have come before some of its connections: its group is
+            # the failed run's, and its connections are cut with it
+            _refuse_while_cut_off(sever_first=True)
 
-    made.__wrapped_by_ddpkit__ = True  # type: ignore[attr-defined]
     return made
+
+
+def _refuse_while_cut_off(sever_first: bool = False) -> None:
+    """Raise where this worker is cut off for a failure not yet recovered: a group made now would
+    wait for a lost rank."""
+    worker = _worker
+    if worker is None or worker.handled <= worker.went_on:
+        return
+    if sever_first:
+        with worker.lock:
+            sever()
+    raise RuntimeError(
+        f"a failure is being recovered in place (recovery {worker.handled}): this rank leaves "
+        "its step instead of making a process group"
+    )
 
 
 def note_links() -> None:
     """Have every process group this worker makes note its sockets (once per process)."""
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
+    from ddpkit._internals.groups import wrap_group_makers
 
-    for name in ("init_process_group", "new_group"):
-        fn = getattr(c10d, name)
-        if not getattr(fn, "__wrapped_by_ddpkit__", False):
-            wrapped = _noting_links(fn)
-            setattr(c10d, name, wrapped)
-            setattr(dist, name, wrapped)
+    wrap_group_makers(_noting_links)
 
 
 def sever() -> None:
@@ -182,8 +189,9 @@ def sever() -> None:
     store; abort NCCL's groups."""
     from ddpkit._internals.groups import abort_nccl_groups
 
-    address = torchrun.master_address(os.environ)
-    store = (socket.gethostbyname(address[0]), int(address[1])) if address else None
+    address, store = torchrun.master_address(os.environ), None
+    with contextlib.suppress(OSError):  # a name no longer resolved: the store's connection stays
+        store = (socket.gethostbyname(address[0]), int(address[1])) if address else None
     now = sockets()
     cut = dict(_links)
     for before in list(_making):
@@ -239,10 +247,11 @@ def clean(error: BaseException) -> list[str]:
     # the frames of a traceback hold the script's globals (a module's frame keeps them whatever
     # clear_frames does): the error keeps its traceback as text (for the agent's error file)
     error.__ddpkit_traceback__ = "".join(traceback.format_exception(error))  # type: ignore[attr-defined]
+    # released first: a store's finalizer may need the frames' objects whole
+    left = _runtime.release_all()
     for e in _chain(error):
         traceback.clear_frames(e.__traceback__)
         e.__traceback__ = None
-    left = _runtime.release_all()
     lock.release_all()
     _runtime.forget_for_recovery()
     baseline = _worker.baseline if _worker is not None else None
@@ -255,9 +264,12 @@ def clean(error: BaseException) -> list[str]:
     # the process's own objects were frozen before the script first ran (worker.main): what the
     # collector still tracks of these kinds is the failed run's
     kinds = {"optimizer(s)": torch.optim.Optimizer, "module(s)": torch.nn.Module}
-    alive = {
-        name: [o for o in gc.get_objects() if isinstance(o, kind)] for name, kind in kinds.items()
-    }
+    with warnings.catch_warnings():  # an object whose class is deprecated warns when asked
+        warnings.simplefilter("ignore")
+        alive = {
+            name: [o for o in gc.get_objects() if isinstance(o, kind)]
+            for name, kind in kinds.items()
+        }
     if any(alive.values()):
         counts = ", ".join(f"{len(found)} {name}" for name, found in alive.items() if found)
         first = next(found[0] for found in alive.values() if found)
@@ -301,7 +313,10 @@ def leave(error: BaseException) -> bool:
     where, worker = channels.channel(channels.RECOVER), _worker
     if where is None or worker is None or not _recoverable(error):
         return False
-    generation = max(last_recovery(where), worker.handled - 1, _pending(where) - 1) + 1
+    # the newest of: the agent's last closed recovery, the one under way, the one this worker was
+    # told of, the one its run went on after (before the agent wrote it last)
+    latest = max(last_recovery(where), worker.handled - 1, _pending(where) - 1, worker.went_on)
+    generation = latest + 1
     left = time.time()
     _sever_for(generation)
     severed = time.time()

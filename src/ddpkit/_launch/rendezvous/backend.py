@@ -33,6 +33,7 @@ from ddpkit._errors import ConfigError
 from ddpkit._internals.store import serve_new_store
 from ddpkit._launch import say
 from ddpkit._launch.rendezvous.auth import RelayClient, RelayServer, derive
+from ddpkit._launch.rendezvous.link import NodeLink
 
 BACKEND = "ddpkit"
 
@@ -45,13 +46,26 @@ class JobAccess:
     relay_ip: str | None  # where the host's relay listens; None for a job on this machine only
 
 
+@dataclass
+class Joined:
+    """A lost node's place taken by a new node (in-place recovery): node ``node`` of ``nodes`` of
+    round ``round_name``, the recovery's ``go`` record, and this node's link to the others (beating
+    since its claim)."""
+
+    node: int
+    nodes: int
+    round_name: str
+    go: dict[str, Any]
+    link: NodeLink
+
+
 class InPlaceRendezvous(Protocol):
     """What the rendezvous asks of in-place recovery
     (:class:`~ddpkit._launch.recover.inplace.InPlace`)."""
 
-    def take_place(self, base: Any, addr: str) -> Any:
-        """A lost node's place in the job, taken by this new node (its ``node``, ``nodes``,
-        ``round_name`` and ``go`` record), or None: torch's rendezvous follows."""
+    def take_place(self, base: Any, addr: str) -> Joined | None:
+        """A lost node's place in the job, taken by this new node, or None: torch's rendezvous
+        follows."""
 
     def recovering(self) -> bool:
         """Whether a recovery is under way on this node."""

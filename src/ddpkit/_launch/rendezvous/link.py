@@ -1,14 +1,15 @@
 """The agents of one job across nodes, linked through its rendezvous store for one round (one
-:class:`NodeLink` each): one thread beats, publishes its node's summary for the stall watch, reads
-the others' while asked, and answers probes. Whether another node is lost is judged on evidence
-(:meth:`NodeLink.lost`), never on a beat's silence alone: a busy agent, a loaded store or a slow
-network delays beats without losing a node. Durations are measured by the reader's own clock, never
-compared across machines."""
+:class:`NodeLink` each): one thread beats, publishes its node's summary for the stall watch and
+reads the others' while asked; another takes the probes of the other nodes. Whether another node
+is lost is judged on evidence (:meth:`NodeLink.lost`), never on a beat's silence alone: a busy
+agent, a loaded store or a slow network delays beats without losing a node. Durations are measured
+by the reader's own clock, never compared across machines."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import queue
 import socket
 import threading
 import time
@@ -20,14 +21,14 @@ from typing import Any
 BEAT = 0.2
 """Seconds between two beats of a node's agent."""
 SUSPECT_AFTER = 1.0
-"""Seconds a beat may stand still before its node's agent is probed."""
+"""Seconds a beat may stand still before its node's agent is probed (and between two probes)."""
 PROBE_TIMEOUT = 2.0
 """Seconds a probe waits for a connection to a node's agent."""
 NODE_TIMEOUT = 30.0
 """Seconds a beat may stand still, whatever probes say, before its node counts as lost: an agent
 that answers probes but never beats (stopped). ``--node-timeout`` sets another."""
 STORE_TIMEOUT = 5.0
-"""Seconds a link's store operation waits, at most (the store's host cut off, or gone)."""
+"""Seconds a link's store operation may take before it is abandoned with its connection."""
 SUMMARY_READS = 20.0
 """The most reads of the others' summaries a second, over the whole job (past 4 nodes, each node's
 reads are spaced out)."""
@@ -36,9 +37,9 @@ MAX_SUMMARY = 65536  # a longer summary is not read (1,024 ranks write about 42 
 _NONE = b"\0none"  # compare_set's answer for a missing key, when asked to expect it
 
 
-def connection(store: Any, timeout: float = STORE_TIMEOUT) -> Any:
-    """A new client connection to TCPStore ``store``'s server (older torch has no ``clone``), whose
-    operations wait ``timeout`` seconds at most."""
+def _connect(store: Any, timeout: float) -> Any:
+    """A new client connection to TCPStore ``store``'s server, its operations bounded by
+    ``timeout`` seconds (older torch has no ``clone``)."""
     clone = getattr(store, "clone", None)
     if clone is not None:
         conn = clone()
@@ -50,25 +51,101 @@ def connection(store: Any, timeout: float = STORE_TIMEOUT) -> Any:
     return conn
 
 
+class BoundedStore:
+    """A connection to a TCPStore's server whose every operation returns, or raises
+    :class:`TimeoutError`, within ``timeout`` seconds. torch's own timeout bounds only the wait for
+    a missing key: a host whose kernel answers but whose store does not (its process stopped)
+    would hold the caller for ever. The operations run in order on a thread of the connection's
+    own; one past the bound is left to it, and the next opens a new connection on a new thread."""
+
+    def __init__(self, store: Any, timeout: float = STORE_TIMEOUT) -> None:
+        self._base, self._timeout = store, timeout
+        self._runner: _Runner | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args: self.call(name, *args)
+
+    def call(self, name: str, *args: Any, timeout: float | None = None) -> Any:
+        """The store's ``name(*args)``, within ``timeout`` seconds (the store's bound if None)."""
+        runner = self._runner
+        if runner is None:
+            runner = self._runner = _Runner(self._base, self._timeout)
+        try:
+            return runner.call(name, args, self._timeout if timeout is None else timeout)
+        except Exception:
+            # past the bound, or a broken connection: a new one next time
+            self._runner = None
+            runner.stop()
+            raise
+
+    def close(self) -> None:
+        """End the connection's thread, waiting for an operation under way up to the bound: a
+        thread still inside torch's store when the process exits aborts it."""
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            runner.stop()
+            runner.thread.join(timeout=self._timeout)
+
+
+class _Runner:
+    """One thread and its connection to a TCPStore's server, running operations in order."""
+
+    def __init__(self, base: Any, timeout: float) -> None:
+        self._todo: queue.SimpleQueue[
+            tuple[str, tuple[Any, ...], threading.Event, list[Any]] | None
+        ]
+        self._todo = queue.SimpleQueue()
+        self.thread = threading.Thread(
+            target=self._run, args=(base, timeout), name="ddpkit-store", daemon=True
+        )
+        self.thread.start()
+
+    def _run(self, base: Any, timeout: float) -> None:
+        conn = None
+        while (task := self._todo.get()) is not None:
+            name, args, done, out = task
+            try:
+                if conn is None:
+                    conn = _connect(base, timeout)
+                out.append((True, getattr(conn, name)(*args)))
+            except BaseException as err:  # noqa: BLE001  (raised in the caller's thread)
+                out.append((False, err))
+            done.set()
+
+    def call(self, name: str, args: tuple[Any, ...], timeout: float) -> Any:
+        done, out = threading.Event(), list[Any]()
+        self._todo.put((name, args, done, out))
+        if not done.wait(timeout):
+            raise TimeoutError(f"the job's store did not answer within {timeout:g} s")
+        ok, value = out[0]
+        if not ok:
+            raise value
+        return value
+
+    def stop(self) -> None:
+        self._todo.put(None)  # the thread ends once its operation under way returns, if ever
+
+
 def read(store: Any, key: str) -> bytes | None:
     """The value of ``key``, None where unset: one round trip, never a wait."""
     value = store.compare_set(key, _NONE, _NONE)
     return None if value == _NONE else value
 
 
-def probe(address: tuple[str, int], timeout: float = PROBE_TIMEOUT) -> str | None:
+def probe(address: tuple[str, int], timeout: float = PROBE_TIMEOUT) -> tuple[str, bool] | None:
     """Whether a node's agent is there: None where its listener took a connection (the kernel
-    takes it for a busy or starved agent too), else the evidence, in words."""
+    takes it for a busy, starved or stopped agent too); else the evidence, in words, and whether
+    it is conclusive (refused or unreachable) or one look (no answer in time)."""
     try:
         with socket.create_connection(address, timeout=timeout):
             return None
     except ConnectionRefusedError:
-        return f"its agent refused a connection at {address[0]}:{address[1]} (gone)"
+        return f"its agent refused a connection at {address[0]}:{address[1]} (gone)", True
     except TimeoutError:
-        return f"its agent did not answer at {address[0]}:{address[1]} within {timeout:g} s"
+        return f"its agent did not answer at {address[0]}:{address[1]} within {timeout:g} s", False
     except OSError as err:
         if err.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN):
-            return f"its node is unreachable ({err.strerror}) at {address[0]}:{address[1]}"
+            return f"its node is unreachable ({err.strerror}) at {address[0]}:{address[1]}", True
         return None  # not evidence of a loss (this node's own trouble)
 
 
@@ -76,8 +153,10 @@ def probe(address: tuple[str, int], timeout: float = PROBE_TIMEOUT) -> str | Non
 class _Beat:
     count: bytes
     since: float  # by this node's clock, when the count last changed
+    probed: float = 0.0  # when the last probe started
     probing: bool = False
-    evidence: str | None = None  # what the last probe found, None: the agent answered
+    evidence: str | None = None  # what the probes found, None: the agent answered
+    unanswered: int = 0  # probes in a row that got no answer in time
 
 
 class NodeLink:
@@ -95,7 +174,7 @@ class NodeLink:
         addr: str = "",
         node_timeout: float = NODE_TIMEOUT,
     ) -> None:
-        self.store = connection(store)  # this thread's (the agent's poll); the beat has its own
+        self.store = BoundedStore(store)  # this thread's (the agent's poll); the beat has its own
         self._base = store
         self.round, self.node, self.nodes = round_name, node, nodes
         self.node_timeout = node_timeout
@@ -106,32 +185,42 @@ class NodeLink:
         self._outgoing: bytes | None = None
         self._want = False
         self._seen: dict[int, tuple[bytes, float]] = {}  # node -> summary, when it changed
-        self._answered = time.monotonic()  # when the store last answered the beat
         self._stop = threading.Event()
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
         if node >= 0:
-            self._listener = socket.create_server((addr or "127.0.0.1", 0), backlog=64)
-            self._listener.setblocking(False)
+            # the kernel takes a probe's connection whatever the agent does; a thread that never
+            # touches the store closes it, and a full backlog (1024) needs hours of probes
+            self._listener = socket.create_server((addr or "127.0.0.1", 0), backlog=1024)
             host, port = self._listener.getsockname()[:2]
-            self.store.set(f"{self.prefix}probe/{node}", f"{addr or host} {port}")
+            # the store has just answered the rendezvous: only its loss fails this, not its load
+            key = f"{self.prefix}probe/{node}"
+            self.store.call("set", key, f"{addr or host} {port}", timeout=node_timeout)
+            threading.Thread(target=self._accept, name="ddpkit-probes", daemon=True).start()
             self._thread = threading.Thread(target=self._run, name="ddpkit-link", daemon=True)
             self._thread.start()
 
-    # -- this node's side: the thread ------------------------------------------------------------
+    # -- this node's side: the threads -------------------------------------------------------------
+
+    def _accept(self) -> None:
+        listener = self._listener
+        while listener is not None:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.close()
 
     def _run(self) -> None:
         beat, summary = f"{self.prefix}beat/{self.node}", f"{self.prefix}summary/{self.node}"
         every_read = max(BEAT, self.nodes / SUMMARY_READS)
-        store, sent, read_at = None, None, 0.0
+        store, sent, read_at = BoundedStore(self._base), None, 0.0
         stopping = False
         while True:  # once more after the stop: the last summary written
-            self._accept()
             with self._lock:
                 data, want = self._outgoing, self._want
             try:
                 # a connection of its own: a slow read of the agent's never holds a beat back
-                store = store or connection(self._base)
                 store.add(beat, 1)
                 if data is not None and data != sent:
                     store.set(summary, data)
@@ -143,21 +232,12 @@ class NodeLink:
                 elif not want and self._seen:
                     with self._lock:
                         self._seen.clear()  # read afresh, and aged from then, at the next wait
-                self._answered = now
             except Exception:  # noqa: BLE001  (a broken connection: a new one at the next beat)
-                store = None
+                pass
             if stopping:
+                store.close()
                 return
             stopping = self._stop.wait(BEAT)
-
-    def _accept(self) -> None:
-        """Take the probes waiting (their connections closed at once): the kernel took them."""
-        while self._listener is not None:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            conn.close()
 
     def _read_summaries(self, store: Any) -> None:
         others = [n for n in range(self.nodes) if n != self.node]
@@ -186,10 +266,6 @@ class NodeLink:
         with self._lock:
             return {node: (data, now - at) for node, (data, at) in self._seen.items()}
 
-    def unanswered(self) -> float:
-        """Seconds since the store last answered this node's beat."""
-        return time.monotonic() - self._answered
-
     def close(self, finished: bool = False, last: bytes | None = None) -> None:
         """Stop beating (``finished``: this node's workers succeeded, its silence is no loss),
         writing ``last`` as its summary first."""
@@ -202,9 +278,12 @@ class NodeLink:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * STORE_TIMEOUT)
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)  # its accept() returns
+            listener.close()
+        self.store.close()
 
     # -- the other nodes -----------------------------------------------------------------------
 
@@ -215,9 +294,10 @@ class NodeLink:
     def lost(self, among: Iterable[int]) -> dict[int, str]:
         """The nodes of ``among`` that are lost, each with the evidence: a beat that stood still
         :data:`SUSPECT_AFTER` seconds (by this reader's clock, from its first look at least) and an
-        agent that does not answer a probe, or a beat that stood still ``node_timeout`` seconds. A
-        node that never beat, or that finished, is not judged. Probes run in threads of their own:
-        this returns at once, a suspect's verdict at a later call."""
+        agent gone or unreachable (its address refuses, or two probes in a row got no answer), or a
+        beat that stood still ``node_timeout`` seconds. A node that never beat, or that finished,
+        is not judged. A suspect is probed at most every :data:`SUSPECT_AFTER` seconds, from a
+        thread of its own: this returns at once, a suspect's verdict at a later call."""
         now, out = time.monotonic(), {}
         for node in among:
             count = read(self.store, f"{self.prefix}beat/{node}")
@@ -233,7 +313,7 @@ class NodeLink:
             elif silent > SUSPECT_AFTER:
                 if last.evidence is not None and not self.finished(node):
                     out[node] = f"no beat for {silent:.1f} s, and {last.evidence}"
-                elif not last.probing:
+                elif not last.probing and now - last.probed >= SUSPECT_AFTER:
                     self._probe(node, last)
         return out
 
@@ -241,10 +321,16 @@ class NodeLink:
         address = self._probe_address(node)
         if address is None:
             return
-        beat.probing = True
+        beat.probing, beat.probed = True, time.monotonic()
 
         def run() -> None:
-            beat.evidence = probe(address)
+            found = probe(address)
+            if found is None:
+                beat.unanswered = 0
+            elif found[1] or beat.unanswered >= 1:  # conclusive, or a second in a row
+                beat.evidence = found[0]
+            else:
+                beat.unanswered += 1
             beat.probing = False
 
         threading.Thread(target=run, name="ddpkit-probe", daemon=True).start()

@@ -19,7 +19,7 @@ from ddpkit._errors import ConfigError
 from ddpkit._launch import proctree
 from ddpkit._launch.proctree import state_code
 from ddpkit._launch.rendezvous.link import NodeLink
-from ddpkit._launch.watch import verdict as nodes
+from ddpkit._launch.watch import verdict
 from ddpkit._launch.watch.verdict import STATES, STOPPED, View
 from ddpkit.distributed._channels import ask_stacks
 from ddpkit.distributed._progress import MAGIC, OPS, RECORD, SIZE, Phase
@@ -145,7 +145,7 @@ class Watch:
         self.multi = False  # several nodes: hosts are named
         self.link: NodeLink | None = None
         self.remote: list[View] = []  # the other nodes' ranks, while this node reads them
-        self.grace = max(nodes.GRACE, policy.floor)
+        self.grace = max(verdict.GRACE, policy.floor)
         """Seconds a remote rank this node saw stalled may go unnamed by its own agent (which
         alone can read its state, ask for its stack and kill it) before this node ends the job."""
         self.named: set[int] = set()  # this node's ranks its agent named
@@ -184,7 +184,7 @@ class Watch:
         if self.link is not None:
             self._published += 1
             self.link.publish(
-                nodes.encode(self.node, self.host, self._published, self.named, []), False
+                verdict.encode(self.node, self.host, self._published, self.named, []), False
             )
             self.link = None
 
@@ -201,17 +201,17 @@ class Watch:
     def _publish(self, live: list[View], want: bool) -> None:
         if self.link is not None:
             self._published += 1
-            summary = nodes.encode(
+            summary = verdict.encode(
                 self.node, self.host, self._published, self.named, live, self.said
             )
             self.link.publish(summary, want)
 
-    def _summaries(self) -> list[tuple[nodes.Summary, float]]:
+    def _summaries(self) -> list[tuple[verdict.Summary, float]]:
         """The other nodes' summaries last read, each with the seconds since it changed."""
         seen = self.link.summaries() if self.link is not None else {}
         out = []
         for node, (data, age) in seen.items():
-            summary = nodes.decode(data)
+            summary = verdict.decode(data)
             if summary is not None and summary.node == node:
                 out.append((summary, age))
         return out
@@ -317,21 +317,21 @@ class Watch:
         self.read()
         live = [self.view(r, now) for g, r in self.ranks.items() if g in running]
         named = self._trade(live)
-        verdict = nodes.decide(self.node, live + self.remote, named)
-        overdue = self.overdue(verdict.waited_for, named, now)
-        if verdict.waited_for and not verdict.stalled:
-            stall = self._wait(verdict.waited_for, overdue, live, now)
-        elif verdict.stalled:
-            stall = self._name([self.ranks[v.rank] for v in verdict.stalled], live, now)
-        elif verdict.slow:
-            self._say_slow([self.ranks[v.rank] for v in verdict.slow], verdict.waited, now)
+        judged = verdict.decide(self.node, live + self.remote, named)
+        overdue = self.overdue(judged.waited_for, named, now)
+        if judged.waited_for and not judged.stalled:
+            stall = self._wait(judged.waited_for, overdue, live, now)
+        elif judged.stalled:
+            stall = self._name([self.ranks[v.rank] for v in judged.stalled], live, now)
+        elif judged.slow:
+            self._say_slow([self.ranks[v.rank] for v in judged.slow], judged.waited, now)
             return None
         else:
             return None
-        if stall is not None and (cycle := nodes.deadlock(live + self.remote)):
-            stall.disagreement = nodes.deadlock_words(cycle)
-        elif stall is not None and (odd := nodes.disagreement(live + self.remote)):
-            stall.disagreement = nodes.disagreement_words(odd, self.multi)
+        if stall is not None and (cycle := verdict.deadlock(live + self.remote)):
+            stall.disagreement = verdict.deadlock_words(cycle)
+        elif stall is not None and (odd := verdict.disagreement(live + self.remote)):
+            stall.disagreement = verdict.disagreement_words(odd, self.multi)
         return stall
 
     def _name(self, stalled: list[_Rank], live: list[View], now: float) -> Stall | None:
@@ -345,7 +345,7 @@ class Watch:
         print("\n".join(stall.report), file=sys.stderr, flush=True)
         if self.policy.on_stall == "end":
             self.stall = stall
-            self.ending = (stall, now + nodes.HEARD_WAIT)
+            self.ending = (stall, now + verdict.HEARD_WAIT)
             self._publish(live, want=True)  # that it named them, at once
             self._end_when_heard(now)
         return stall
