@@ -62,7 +62,7 @@ def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reference")
     (tmp / "log").mkdir()
     job = [str(tmp / "run"), "--log", str(tmp / "log"), "--out", "ref.pt"]
-    out = run_job(JOB, *job, env=netns.clean_env(), cwd=tmp, timeout=300)
+    out = run_job(JOB, *job, env=netns.node_env(secret=False), cwd=tmp, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return torch.load(tmp / "ref.pt", weights_only=False)
 
@@ -95,7 +95,7 @@ def pod(
     """(command, environment) of pod ``index`` of a 2-pod job of ``kind``: the operator's variables,
     and the command ``ddpkit k8s`` writes (plain ``python`` for a PyTorchJob of one process per
     pod)."""
-    env = netns.clean_env() | POD | operator_env(kind, index)
+    env = netns.node_env(secret=False) | POD | operator_env(kind, index)
     env["DDPKIT_MEMORY_ROOT"] = str(tmp / f"shm-{name}-{index}")
     Path(env["DDPKIT_MEMORY_ROOT"]).mkdir(exist_ok=True)
     (tmp / f"{name}-log").mkdir(exist_ok=True)
@@ -174,7 +174,7 @@ def test_a_one_pod_job_of_two_processes_trains_without_a_secret(pods, reference,
     (ns_a, _), _ = pods
     master = NODE0 if kind == "trainjob" else MASTER
     env = (
-        netns.clean_env()
+        netns.node_env(secret=False)
         | POD
         | {"PET_NNODES": "1", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": "0"}
     )

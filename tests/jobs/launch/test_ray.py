@@ -42,7 +42,7 @@ SOON = 0.01
 
 
 def _ray_env(ns: str) -> dict[str, str]:
-    env = netns.clean_env() | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": TOKEN}
+    env = netns.node_env(secret=False) | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": TOKEN}
     # gloo takes a node's address from its host name, which resolves to loopback here: its veth,
     # named.
     env["GLOO_SOCKET_IFNAME"] = ns[: -len("-a")] + ("-va" if ns.endswith("-a") else "-vb")

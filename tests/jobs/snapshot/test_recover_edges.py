@@ -55,10 +55,10 @@ def in_place(stderr: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict:
-    from tests.conftest import _clean_environ
+    from tests.jobs.conftest import clean_environ
 
     shm = tmp_path_factory.mktemp("shm")
-    return _clean_environ() | {jobdir.ROOT_ENV: str(shm), "DDPKIT_COLLECTIVE_TIMEOUT": "60"}
+    return clean_environ() | {jobdir.ROOT_ENV: str(shm), "DDPKIT_COLLECTIVE_TIMEOUT": "60"}
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from ddpkit.testing import run_job
-from tests.conftest import _clean_environ
+from tests.jobs.conftest import clean_environ
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -17,7 +17,7 @@ def test_bench_end_to_end_writes_table_json_and_plot(tmp_path):
     options = ["--steps", "6", "--warmup", "2", "--rounds", "1", "--no-knobs"]
     options += ["--predict", "1,2,16", "--out", str(out)]
     proc = run_job(
-        None, command="bench", launcher_args=options, env=_clean_environ(), cwd=ROOT, timeout=180
+        None, command="bench", launcher_args=options, env=clean_environ(), cwd=ROOT, timeout=180
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     text = proc.stdout

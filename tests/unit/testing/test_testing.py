@@ -133,11 +133,11 @@ def test_the_launch_free_environment_drops_every_job_variable_and_keeps_the_rest
 
 
 def test_the_suites_clean_environment_is_the_packages_plus_its_own_settings(monkeypatch):
-    from tests.conftest import _clean_environ
+    from tests.jobs.conftest import clean_environ
 
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "outer")
-    env = _clean_environ()
+    env = clean_environ()
     assert (
         "RANK" not in env and "TORCHELASTIC_RUN_ID" not in env and env["CUDA_VISIBLE_DEVICES"] == ""
     )
