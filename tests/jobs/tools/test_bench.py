@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.testing import run_job
+from ddpkit.testing import run_job, run_on_ranks
 from tests.jobs.conftest import clean_environ
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -59,11 +59,10 @@ def _lm_steps():
 
 @pytest.mark.slow
 def test_the_step_timer_runs_the_built_in_language_model_on_two_ranks():
-    import ddpkit
     from ddpkit.demo._datasets import CHARS
     from ddpkit.demo._models import TinyGPT
 
-    runs = ddpkit.spawn(_lm_steps, 2)
+    runs = run_on_ranks(_lm_steps, 2)
     gpt_bytes = sum(p.numel() * 4 for p in TinyGPT(len(CHARS)).parameters())
     for r in runs:
         assert 0 < r["medians"]["forward"] < r["medians"]["step"] and r["batch_size"] == 8
