@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ddpkit._launch.agent import jobdir
-from ddpkit.testing import without_launch_env
+from ddpkit.testing import Job, without_launch_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
@@ -144,3 +144,22 @@ def hand_reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
     tmp = tmp_path_factory.mktemp("hand-reference")
     return memory_jobs.hand_run(tmp, "reference", env=clean_environ())
+
+
+@pytest.fixture(scope="session")
+def epoch_end_references(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Job]:
+    """``epoch_end_references(variant)``: the :class:`~ddpkit.testing.Job` of an uninterrupted run
+    of the epoch's-end job's ``variant`` (``tests/jobs/scripts/epoch_end_job.py``), made on first
+    use."""
+    from tests.jobs.scripts.epoch_end_job import under_launcher
+
+    made: dict[str, Job] = {}
+
+    def reference(variant: str) -> Job:
+        if variant not in made:
+            tmp = tmp_path_factory.mktemp(f"epoch-end-{variant}")
+            env = memory_environ(clean_environ(), tmp)
+            made[variant] = under_launcher(tmp, env, "reference", variant)
+        return made[variant]
+
+    return reference

@@ -17,7 +17,6 @@ Each trains to the bits of the same job on one node. Pods killed and recreated (
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -29,7 +28,7 @@ import pytest
 import torch
 
 from ddpkit._launch.cli import k8s
-from ddpkit.testing import run_job, wait_until
+from ddpkit.testing import read_records, run_job, wait_until
 from tests.jobs.launch import netns
 from tests.jobs.launch.netns import DDPKIT, ROOT
 from tests.trainer_checks import bitwise_equal
@@ -139,8 +138,7 @@ def logs(tmp: Path, name: str) -> list[str]:
 
 
 def resumes(run_dir: Path) -> list[dict]:
-    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-    return [r for r in records if r.get("event") == "resume"]
+    return [r for r in read_records(run_dir) if r.get("event") == "resume"]
 
 
 @pytest.mark.parametrize("kind", ["pytorchjob", "pytorchjob-run", "trainjob", "jobset"])

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.testing import run_job, wait_until
+from ddpkit.testing import read_records, run_job, wait_until
 from tests.jobs.launch import netns
 from tests.jobs.launch.netns import DDPKIT, ROOT
 
@@ -273,10 +273,9 @@ def test_elastic_job_goes_on_without_a_killed_node(nodes, tmp_path):
     assert code == 0, log_a[-5000:]
 
     events = [
-        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    ]
-    events = [
-        e for e in events if e["kind"] == "event" and e["event"] in ("start", "resume", "stop")
+        e
+        for e in read_records(tmp_path / "run")
+        if e["kind"] == "event" and e["event"] in ("start", "resume", "stop")
     ]
     resume = [e for e in events if e["event"] == "resume"]
     assert events[0]["event"] == "start" and events[-1] == events[-1] | {
@@ -330,10 +329,9 @@ def test_a_node_that_joins_an_elastic_job_is_taken_in_at_a_restart(nodes, tmp_pa
     assert codes == [0, 0], logs
 
     events = [
-        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    ]
-    events = [
-        e for e in events if e["kind"] == "event" and e["event"] in ("start", "resume", "stop")
+        e
+        for e in read_records(tmp_path / "run")
+        if e["kind"] == "event" and e["event"] in ("start", "resume", "stop")
     ]
     # The agent stops node a's worker with SIGTERM to form the job again: the Trainer saves that
     # step, and the job of two resumes there.

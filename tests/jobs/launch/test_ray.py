@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from ddpkit.snapshot._folders import MARKER
-from ddpkit.testing import wait_until
+from ddpkit.testing import read_records, wait_until
 from tests.jobs.launch import netns
 from tests.jobs.launch.netns import ROOT
 
@@ -213,11 +213,7 @@ def test_a_worker_killed_resumes_to_the_bits_of_the_uninterrupted_run(
     assert done.returncode == 0, done.stdout[-5000:]
     # Ray restarted both
     assert {(f["rank"], f["restart_count"]) for f in facts} == {(0, 0), (1, 0), (0, 1), (1, 1)}
-    resumes = [
-        json.loads(line)
-        for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
-    ]
-    resumes = [r for r in resumes if r.get("event") == "resume"]
+    resumes = [r for r in read_records(tmp_path / "killed") if r.get("event") == "resume"]
     assert len(resumes) == 1 and resumes[0]["step"] >= 10 and resumes[0]["restart_count"] == 1, (
         resumes
     )
@@ -241,8 +237,7 @@ def test_a_worker_node_lost_and_back_resumes_to_the_same_bits(cluster, uninterru
 
 
 def _events(run_dir: Path) -> list[dict]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in records if "event" in r]
+    return [r for r in read_records(run_dir) if "event" in r]
 
 
 def _snapshot_whole(run_dir: Path, step: int) -> bool:
