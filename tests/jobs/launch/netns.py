@@ -117,7 +117,3 @@ def finish(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return newest_snapshot(run_dir)[1]
-
-
-def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

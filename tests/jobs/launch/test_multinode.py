@@ -25,6 +25,7 @@ import pytest
 from ddpkit.testing import read_records, run_job, wait_until
 from tests.jobs.launch import netns
 from tests.jobs.launch.netns import DDPKIT, ROOT
+from tests.trainer_checks import same_bits
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +54,7 @@ def test_two_nodes_train_the_digits_to_the_weights_of_one_node(nodes, tmp_path):
         timeout=300,
     )  # fmt: skip
     assert one.returncode == 0, one.stderr[-3000:]
-    assert netns.same(netns.weights(tmp_path / "runs/two"), netns.weights(tmp_path / "runs/one"))
+    assert same_bits(netns.weights(tmp_path / "runs/two"), netns.weights(tmp_path / "runs/one"))
 
     # Control: equality is not a given. The same one-node job at another intra-op thread count (all
     # else equal) sums in another order and ends on different weights.
@@ -62,7 +63,7 @@ def test_two_nodes_train_the_digits_to_the_weights_of_one_node(nodes, tmp_path):
         timeout=300,
     )  # fmt: skip
     assert other.returncode == 0, other.stderr[-3000:]
-    assert not netns.same(
+    assert not same_bits(
         netns.weights(tmp_path / "runs/threads"), netns.weights(tmp_path / "runs/one")
     )
 

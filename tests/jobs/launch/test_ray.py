@@ -28,6 +28,7 @@ from ddpkit.snapshot._folders import MARKER
 from ddpkit.testing import read_records, wait_until
 from tests.jobs.launch import netns
 from tests.jobs.launch.netns import ROOT
+from tests.trainer_checks import same_bits
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -217,7 +218,7 @@ def test_a_worker_killed_resumes_to_the_bits_of_the_uninterrupted_run(
     assert len(resumes) == 1 and resumes[0]["step"] >= 10 and resumes[0]["restart_count"] == 1, (
         resumes
     )
-    assert netns.same(weights(tmp_path / "killed"), uninterrupted[0])
+    assert same_bits(weights(tmp_path / "killed"), uninterrupted[0])
 
 
 def test_a_worker_node_lost_and_back_resumes_to_the_same_bits(cluster, uninterrupted, tmp_path):
@@ -233,7 +234,7 @@ def test_a_worker_node_lost_and_back_resumes_to_the_same_bits(cluster, uninterru
     done, facts = run(cluster, tmp_path, "node-lost", during=lose_node_b)
     assert done.returncode == 0, done.stdout[-5000:]
     assert max(f["restart_count"] for f in facts) >= 1
-    assert netns.same(weights(tmp_path / "node-lost"), uninterrupted[0])
+    assert same_bits(weights(tmp_path / "node-lost"), uninterrupted[0])
 
 
 def _events(run_dir: Path) -> list[dict]:
@@ -300,4 +301,4 @@ def test_a_node_drained_for_preemption_gets_a_snapshot_at_once_then_resumes_to_t
     assert len(resumes) == 1 and resumes[0]["step"] >= 20 and resumes[0]["restart_count"] == 1, (
         resumes
     )
-    assert netns.same(weights(run_dir), uninterrupted[0])
+    assert same_bits(weights(run_dir), uninterrupted[0])

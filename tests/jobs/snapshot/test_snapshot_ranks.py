@@ -23,6 +23,7 @@ from ddpkit.strategies import build_strategy
 from ddpkit.strategies._base import join_own
 from ddpkit.strategies._fsdp import FSDP_ON_CPU
 from ddpkit.testing import run_on_ranks
+from tests.trainer_checks import differences
 
 # fsdp on the CPU from the torch that runs it there (older ones refuse it, naming the version).
 STRATEGIES = ("ddp", "zero", "fsdp") if TORCH_VERSION >= FSDP_ON_CPU else ("ddp", "zero")
@@ -117,8 +118,9 @@ def load_at_another_world_size(folder: str) -> dict:
 
 
 def differs(a: dict, b: dict) -> list[str]:
+    """The keys whose tensors are not the same bits."""
     assert a.keys() == b.keys()
-    return [k for k in a if not torch.equal(a[k], b[k])]
+    return [k for k in a if differences(a[k], b[k])]
 
 
 def own(key: str) -> bool:
