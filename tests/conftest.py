@@ -1,5 +1,5 @@
-"""Shared helpers for the tests: a launcher-free environment, a way to run ``python -c`` in it, and
-ddpkit's module globals reset after each test."""
+"""Shared helpers for the tests: a way to run ``python -c`` in a fresh interpreter of the clean
+environment (``tests/jobs/conftest.py``), and ddpkit's module globals reset after each test."""
 
 from __future__ import annotations
 
@@ -9,39 +9,12 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ddpkit.testing import without_launch_env
+from tests.jobs.conftest import clean_environ
 from tests.require_run import pytest_sessionfinish  # noqa: F401 (a hook of this suite)
-
-ROOT = Path(__file__).resolve().parents[1]
-SRC = ROOT / "src"
-
-
-def _clean_environ() -> dict[str, str]:
-    # A subprocess that must run as "plain python" gets no launcher or scheduler variable, whatever
-    # the shell running pytest exported.
-    env = without_launch_env()
-    # Nor the tier check of the suite running it (CI sets it): a pytest run inside a test is a tier
-    # of its own, which its test configures.
-    env.pop("DDPKIT_REQUIRE_RUN", None)
-    # src for ddpkit, the checkout for the job scripts (``tests.jobs.scripts``), which import each
-    # other as a package.
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(SRC), str(ROOT), env.get("PYTHONPATH", "")) if p
-    )
-    # "No GPU" must hold for the subprocess even when the suite runs on a machine that has one.
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    return env
-
-
-@pytest.fixture
-def clean_env() -> dict[str, str]:
-    """A copy of ``os.environ`` without any launcher or scheduler variable (safe to modify)."""
-    return _clean_environ()
 
 
 @pytest.fixture(scope="session")
@@ -62,7 +35,7 @@ def run_python(
         extra_env: Mapping[str, str] | None = None,
         timeout: float = 90,
     ) -> subprocess.CompletedProcess:
-        full_env = dict(_clean_environ() if env is None else env)
+        full_env = dict(clean_environ() if env is None else env)
         full_env.update(extra_env or {})
         args = [sys.executable, "-c", code]
         # A session of its own, so that on timeout the process and everything it started (ranks

@@ -6,6 +6,7 @@ the top of ``tests/unit`` or ``tests/jobs``.
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import ddpkit
@@ -46,3 +47,38 @@ def test_no_test_module_is_left_between_the_tiers() -> None:
     the top)."""
     top = sorted(p.name for p in ROOT.glob("test_*.py"))
     assert top == ["test_docs.py", "test_layout.py"]
+
+
+RANKS = frozenset({"run_on_ranks", "spawn"})  # ddpkit.testing.run_on_ranks, ddpkit.spawn
+
+
+def ranked(tree: Path) -> list[str]:
+    """The modules under ``tree`` that run a function on ranks (a call of ``run_on_ranks`` or
+    ``spawn``, however imported)."""
+    found = []
+    for path in sorted(tree.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                func = node.func
+                name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+                owner = func.value if isinstance(func, ast.Attribute) else None
+                # a fork server's spawn (``server.spawn``) starts one worker, not ranks
+                if name in RANKS and not (isinstance(owner, ast.Name) and owner.id == "server"):
+                    found.append(str(path.relative_to(tree.parent)))
+                    break
+    return found
+
+
+def test_no_unit_test_runs_ranks() -> None:
+    """A unit test is pure logic or a single process: tests with ranks are under ``jobs``."""
+    assert ranked(ROOT / "unit") == []
+
+
+def test_a_unit_module_that_runs_ranks_is_flagged(tmp_path: Path) -> None:
+    """Control: ``ddpkit.spawn`` and ``run_on_ranks`` in a unit module are found, a fork server's
+    ``spawn`` is not."""
+    (tmp_path / "unit").mkdir()
+    (tmp_path / "unit" / "test_a.py").write_text("import ddpkit\nddpkit.spawn(print, 2)\n")
+    (tmp_path / "unit" / "test_b.py").write_text("from x import run_on_ranks\nrun_on_ranks(f)\n")
+    (tmp_path / "unit" / "test_c.py").write_text("server.spawn(['a'], {}, '.', [0, 1, 2])\n")
+    assert ranked(tmp_path / "unit") == ["unit/test_a.py", "unit/test_b.py"]

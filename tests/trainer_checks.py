@@ -1,5 +1,5 @@
-"""Comparisons shared by the Trainer tests: final states, and the samples a run really trained
-on."""
+"""Comparisons shared by the tests of runs: final states bit for bit, and the samples a run really
+trained on."""
 
 from __future__ import annotations
 
@@ -11,24 +11,26 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddpkit.testing import _differences, read_records
+
+
+def differences(a: Any, b: Any, *parts: str) -> list[str]:
+    """Where ``a`` and ``b`` differ, bit for bit (``parts``: their entries of those keys only):
+    nested dicts, lists and tuples of tensors and values; a tensor by its dtype, shape and bytes
+    (the same NaN is equal, -0.0 is not 0.0), another value by ``==``."""
+    if parts:
+        a, b = {p: a[p] for p in parts}, {p: b[p] for p in parts}
+    return _differences(a, b, "state")
+
+
+def same_bits(a: Any, b: Any, *parts: str) -> bool:
+    """No :func:`differences`."""
+    return not differences(a, b, *parts)
+
 
 def bitwise_equal(a: dict, b: dict) -> bool:
-    """Model, optimizer and scheduler states identical to the bit."""
-    if a["model"].keys() != b["model"].keys():
-        return False
-    if not all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]):
-        return False
-    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
-    if sa.keys() != sb.keys() or any(
-        not torch.equal(torch.as_tensor(sa[i][k]), torch.as_tensor(sb[i][k]))
-        for i in sa
-        for k in sa[i]
-    ):
-        return False
-    return (
-        a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
-        and a["scheduler"] == b["scheduler"]
-    )
+    """The Trainer job's model, optimizer and scheduler states identical to the bit."""
+    return same_bits(a, b, "model", "optimizer", "scheduler")
 
 
 def rank_differences(
@@ -41,9 +43,7 @@ def rank_differences(
         a = torch.load(f"{out}.rank{rank}", weights_only=False)
         b = torch.load(f"{reference}.rank{rank}", weights_only=False)
         assert a.keys() == b.keys(), f"rank {rank}: {sorted(a.keys() ^ b.keys())}"
-        found[rank] = [
-            k for k in a if not (torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k])
-        ]
+        found[rank] = [k for k in a if differences(a[k], b[k])]
     return found
 
 
@@ -77,11 +77,19 @@ def max_rel_diff(a: dict, b: dict) -> float:
     return out
 
 
+def use_reference(reference_dir: Path, tmp: Path) -> dict:
+    """An uninterrupted run's final states (``reference.pt`` and each rank's
+    ``reference.pt.rank<r>`` in ``reference_dir``, a reference fixture's) copied into ``tmp``,
+    beside the runs compared to them; rank 0's."""
+    for path in reference_dir.glob("reference.pt*"):
+        (tmp / path.name).write_bytes(path.read_bytes())
+    return torch.load(tmp / "reference.pt", weights_only=False)
+
+
 def resume_steps(run_dir: str | Path) -> dict[int, int]:
     """Attempt number -> optimizer step it resumed from, read from the run's event log."""
     steps = {}
-    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
+    for rec in read_records(run_dir):
         if rec.get("event") in ("start", "resume"):  # "start": no snapshot yet, so from step 0
             steps[rec["restart_count"]] = rec["step"]
     return steps

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import _clean_environ
+from tests.jobs.conftest import clean_environ
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = str(ROOT / "bench" / "peers.py")
@@ -38,7 +38,7 @@ def _bench(args: list[str], env: dict[str, str], out: Path) -> dict:
 @pytest.mark.timeout(900)  # 6 torchrun jobs; Lightning's import alone takes seconds
 def test_every_installed_framework_gets_a_finite_ratio_to_raw_ddp(tmp_path):
     missing = {name for name, package in PEERS.items() if importlib.util.find_spec(package) is None}
-    report = _bench([], _clean_environ(), tmp_path / "peers.json")
+    report = _bench([], clean_environ(), tmp_path / "peers.json")
     ran = set(report["frameworks"])
     assert ran == {"raw", "ddpkit-loop", "ddpkit-trainer", *PEERS} - missing, report["stdout"]
     assert set(report["skipped"]) == missing
@@ -59,7 +59,7 @@ def test_a_peer_that_is_not_installed_is_skipped_and_the_rest_run(tmp_path):
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text("import sys\nsys.modules['accelerate'] = None\n")
-    env = _clean_environ()
+    env = clean_environ()
     env["PYTHONPATH"] = f"{site}:{env['PYTHONPATH']}"
     report = _bench(["--only", "raw,accelerate"], env, tmp_path / "peers.json")
     assert set(report["frameworks"]) == {"raw"}

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from ddpkit.testing import run_job, start_job, wait_until
-from tests.conftest import _clean_environ  # no launcher variables, no GPU, src on the path
+from tests.jobs.conftest import clean_environ  # no launcher variables, no GPU, src on the path
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 100  # seconds per command: a few on an idle 2-core machine, much more when it is shared
@@ -30,7 +30,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, *args],
         cwd=ROOT,
-        env=_clean_environ(),
+        env=clean_environ(),
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
@@ -43,7 +43,7 @@ def _python(script: str, *args: str) -> subprocess.CompletedProcess:
 
 def _ddpkit_run(script: str, *args: str) -> subprocess.CompletedProcess:
     return run_job(
-        f"examples/{script}", *args, nproc=2, env=_clean_environ(), cwd=ROOT, timeout=TIMEOUT
+        f"examples/{script}", *args, nproc=2, env=clean_environ(), cwd=ROOT, timeout=TIMEOUT
     )
 
 
@@ -300,7 +300,7 @@ def _killed(tmp_path: Path, script: str, short: tuple[str, ...]) -> tuple[str, P
     args = (_out_flag(script), str(folder), *_batch(script, 2), *short)
     proc = start_job(
         f"examples/{script}", *args, nproc=2, launcher_args=("--max-restarts", "1"),
-        env=_clean_environ(), cwd=ROOT,
+        env=clean_environ(), cwd=ROOT,
     )  # fmt: skip
     try:
         wait_until(

@@ -26,9 +26,9 @@ from ddpkit._errors import ConfigError
 from ddpkit.snapshot import _slots as mslot
 from ddpkit.snapshot._disk import INDEX, MARKER, DiskStore
 from tests.fuzz import examples
-from tests.unit.snapshot.test_checkpoint import reseal, save
-from tests.unit.snapshot.test_memory_snapshots import save as save_slot
-from tests.unit.snapshot.test_memory_snapshots import store
+from tests.unit.snapshot.folders import reseal, save
+from tests.unit.snapshot.slots import save as save_slot
+from tests.unit.snapshot.slots import store
 
 FAST = examples(40)
 

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DDPKIT_GLOBALS, SRC, _clean_environ
+from tests.conftest import DDPKIT_GLOBALS
+from tests.jobs.conftest import SRC, clean_environ
 
 pytest_plugins = ["pytester"]
 
@@ -105,7 +106,7 @@ def session(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch):
     """``session(with_fixture)``: the two tests in an inner session of this process, with or without
     the suite's fixture; plain python (no launcher variable), so that ``ddpkit.init()`` makes a
     world of one."""
-    for name in set(os.environ) - set(_clean_environ()):
+    for name in set(os.environ) - set(clean_environ()):
         monkeypatch.delenv(name)
     pytester.makepyfile(test_leftovers=LEAVE_AND_CHECK)
 

@@ -250,7 +250,7 @@ def test_a_storage_entry_at_no_chunk_is_refused():
 
 def test_a_dcp_index_beyond_its_bound_is_refused_naming_it(tmp_path):
     from ddpkit.snapshot._disk import DiskStore
-    from tests.unit.snapshot.test_checkpoint import save
+    from tests.unit.snapshot.folders import save
 
     save(DiskStore(tmp_path), 3)
     folder = tmp_path / "step-00000003"
@@ -530,7 +530,7 @@ def test_a_journal_line_nested_too_deep_is_refused_naming_it(tmp_path):
 
 def test_an_index_nested_too_deep_is_refused_naming_it(tmp_path):
     from ddpkit.snapshot._disk import DiskStore
-    from tests.unit.snapshot.test_checkpoint import save
+    from tests.unit.snapshot.folders import save
 
     save(DiskStore(tmp_path), 3)
     folder = tmp_path / "step-00000003"

@@ -15,6 +15,7 @@ from ddpkit.data import (
     ShardedBatchSampler,
     default_num_workers,
 )
+from ddpkit.testing import run_on_ranks
 
 
 def _loader_worker(n: int, per_rank: int) -> dict:
@@ -48,7 +49,7 @@ def _loader_worker(n: int, per_rank: int) -> dict:
 
 def test_build_loader_covers_each_epoch_once_and_keeps_global_rng():
     n, per_rank, world = 26, 4, 2  # global batch 8, tail of 2 samples
-    results = ddpkit.spawn(_loader_worker, world, (n, per_rank))
+    results = run_on_ranks(_loader_worker, world, (n, per_rank))
     reference = ShardedBatchSampler(
         n, per_rank * world, rank=0, world_size=1, drop_last=False, seed=4
     )
@@ -84,7 +85,7 @@ def _eval_shard_worker(sizes: list[int]) -> dict:
 @pytest.mark.parametrize("world", [2, 3])
 def test_eval_shards_cover_every_sample_exactly_once(world):
     sizes = list(range(11))
-    results = ddpkit.spawn(_eval_shard_worker, world, (sizes,))
+    results = run_on_ranks(_eval_shard_worker, world, (sizes,))
     for n in sizes:
         shares = [out[n][0] for out in results]
         assert [i for share in shares for i in share] == list(range(n)), n
@@ -142,17 +143,17 @@ def _draws(num_workers: int, seed_samples: bool, dataset: type = Noisy) -> dict:
 
 
 def test_each_sample_draws_the_same_whatever_the_world_size_and_workers():
-    one = ddpkit.spawn(_draws, 1, (0, True))[0]
+    one = run_on_ranks(_draws, 1, (0, True))[0]
     # loading left the training stream alone
     assert len(one["draws"]) == 48 and one["main_rng_kept"]
-    two = ddpkit.spawn(_draws, 2, (2, True))[0]  # 2 ranks x 2 workers
+    two = run_on_ranks(_draws, 2, (2, True))[0]  # 2 ranks x 2 workers
     assert two["draws"] == one["draws"]
     epochs = [[one["draws"][(e, i)] for i in range(24)] for e in (0, 1)]
     assert epochs[0] != epochs[1]  # a new epoch, new draws
     # Controls: left to each process's own stream, the draws depend on the workers, and without
     # workers loading moves the training stream (dropout masks would shift).
-    plain_main = ddpkit.spawn(_draws, 1, (0, False))[0]
-    plain_workers = ddpkit.spawn(_draws, 1, (2, False))[0]
+    plain_main = run_on_ranks(_draws, 1, (0, False))[0]
+    plain_workers = run_on_ranks(_draws, 1, (2, False))[0]
     assert plain_main["draws"] != plain_workers["draws"] and not plain_main["main_rng_kept"]
 
 
@@ -195,11 +196,11 @@ def test_a_peek_at_the_loader_does_not_skip_an_epoch(num_workers):
 def test_a_sample_that_draws_among_many_that_do_not_draws_the_same_everywhere():
     # Seeding is paid only where a sample draws: a batch read unseeded that turns out to have drawn
     # is read again.
-    one = ddpkit.spawn(_draws, 1, (0, True, Sometimes))[0]
+    one = run_on_ranks(_draws, 1, (0, True, Sometimes))[0]
     assert one["main_rng_kept"]
-    two = ddpkit.spawn(_draws, 2, (2, True, Sometimes))[0]
+    two = run_on_ranks(_draws, 2, (2, True, Sometimes))[0]
     assert two["draws"] == one["draws"]
     drawn = {k: v for k, v in one["draws"].items() if k[1] % 6 == 5}
     assert len(drawn) == 8 and len(set(drawn.values())) == 8  # they drew, each its own values
     # Control: left to each process's own stream, the same samples draw otherwise.
-    assert ddpkit.spawn(_draws, 1, (2, False, Sometimes))[0]["draws"] != one["draws"]
+    assert run_on_ranks(_draws, 1, (2, False, Sometimes))[0]["draws"] != one["draws"]

@@ -20,6 +20,7 @@ import ddpkit
 import ddpkit.data._epoch_loader
 from ddpkit import ConfigError
 from ddpkit.data._stream_sources import IterableStream, JsonlStream
+from ddpkit.testing import run_on_ranks
 
 PER_RANK, WORLD, HEAD_STEPS = 8, 2, 4  # global batch 16: 160 records make 10 steps; stopped after 4
 SEED = 5
@@ -118,7 +119,7 @@ def shards(tmp_path_factory) -> dict[str, tuple[list[str], int]]:
 @pytest.fixture(scope="module")
 def stream_runs(shards) -> dict:
     variants = {k: v for k, v in shards.items()}
-    return ddpkit.spawn(resume_each, WORLD, (stream_loader, shards["same"], variants))[0]
+    return run_on_ranks(resume_each, WORLD, (stream_loader, shards["same"], variants))[0]
 
 
 RECORDS = {
@@ -168,7 +169,7 @@ def test_a_stream_resumed_on_changed_data_is_refused_naming_each_change(stream_r
 
 
 def test_a_map_style_dataset_whose_length_changed_is_refused():
-    out = ddpkit.spawn(
+    out = run_on_ranks(
         resume_each, WORLD, (map_loader, 160, {"same": 160, "longer": 184, "shorter": 150})
     )[0]
     same, longer, shorter = (out["variants"][k] for k in ("same", "longer", "shorter"))
@@ -227,13 +228,13 @@ def read_iterable(check: bool) -> dict:
 
 
 def test_an_iterable_whose_order_differs_between_ranks_is_refused_on_every_rank():
-    for out in ddpkit.spawn(read_iterable, WORLD, (True,)):
+    for out in run_on_ranks(read_iterable, WORLD, (True,)):
         assert (
             "first 128 records differ between ranks (rank 0's differ from rank 1's)"
             in out["refused"]
         )
     # Control: unchecked, the epoch trains records twice and others never, and nothing fails.
-    trained = ddpkit.spawn(read_iterable, WORLD, (False,))[0]["trained"]
+    trained = run_on_ranks(read_iterable, WORLD, (False,))[0]["trained"]
     twice, never = twice_and_never(trained, set(range(300)))
     print(f"\nan order of each rank's own, unchecked: {twice} of 300 records twice, {never} never")
     assert twice > 0 and never > 0

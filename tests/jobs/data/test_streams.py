@@ -16,7 +16,7 @@ import ddpkit
 from ddpkit import ConfigError
 from ddpkit.data._stream import Stream, StreamOrder
 from ddpkit.data._stream_sources import IterableStream, JsonlStream, TokenStream
-from ddpkit.testing import run_job
+from ddpkit.testing import run_job, run_on_ranks
 from tests.jobs.scripts.stream_job import N_RECORDS, naive_steps, read_steps, write_records
 from tests.trainer_checks import (
     assert_each_sample_once,
@@ -202,7 +202,7 @@ def expected_steps(
 @pytest.mark.parametrize("iterable", [False, True], ids=["jsonl", "iterable"])
 def test_each_record_once_per_epoch_over_two_ranks_and_two_workers(tmp_path, iterable):
     data = write_records(tmp_path / "records.jsonl")
-    per_rank = ddpkit.spawn(
+    per_rank = run_on_ranks(
         functools.partial(read_steps, str(data), 12, workers=2, epochs=2, iterable=iterable), 2
     )[0]
     steps = global_steps(per_rank)
@@ -215,7 +215,7 @@ def test_each_record_once_per_epoch_over_two_ranks_and_two_workers(tmp_path, ite
 
 def test_control_a_plain_iterable_dataset_in_two_workers_yields_each_record_twice(tmp_path):
     data = write_records(tmp_path / "records.jsonl")
-    per_rank = ddpkit.spawn(
+    per_rank = run_on_ranks(
         functools.partial(naive_steps, str(data), 12, workers=2, by_worker=False), 2
     )[0]
     assert repeated_and_missing(sum(global_steps(per_rank), []), N_RECORDS) == (N_RECORDS, 0)
@@ -223,8 +223,8 @@ def test_control_a_plain_iterable_dataset_in_two_workers_yields_each_record_twic
 
 def test_a_stream_stopped_at_two_ranks_continues_at_three_in_the_same_order(tmp_path):
     data = write_records(tmp_path / "records.jsonl")
-    head = ddpkit.spawn(functools.partial(read_steps, str(data), 12, workers=2, stop_after=5), 2)[0]
-    tail = ddpkit.spawn(
+    head = run_on_ranks(functools.partial(read_steps, str(data), 12, workers=2, stop_after=5), 2)[0]
+    tail = run_on_ranks(
         functools.partial(read_steps, str(data), 8, workers=2, start=(0, 5 * GLOBAL_BATCH)), 3
     )[0]
     steps = global_steps(head) + global_steps(tail)
@@ -235,10 +235,10 @@ def test_a_stream_stopped_at_two_ranks_continues_at_three_in_the_same_order(tmp_
     # Control: the usual split by rank and worker, resumed by skipping the cursor's share in each
     # worker's part, repeats and skips records: its workers had read unequal amounts (5 steps over 2
     # workers).
-    head = ddpkit.spawn(functools.partial(naive_steps, str(data), 12, workers=2, stop_after=5), 2)[
+    head = run_on_ranks(functools.partial(naive_steps, str(data), 12, workers=2, stop_after=5), 2)[
         0
     ]
-    tail = ddpkit.spawn(
+    tail = run_on_ranks(
         functools.partial(naive_steps, str(data), 8, workers=2, cursor=5 * GLOBAL_BATCH), 3
     )[0]
     repeated, missing = repeated_and_missing(

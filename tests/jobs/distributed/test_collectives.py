@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import ddpkit
+from ddpkit.testing import run_on_ranks
 
 WORLDS = [2, 3]
 
@@ -40,7 +41,7 @@ def _all_reduce_worker() -> dict:
 
 @pytest.mark.parametrize("n", WORLDS)
 def test_all_reduce_values_and_types(n):
-    results = ddpkit.spawn(_all_reduce_worker, n)
+    results = run_on_ranks(_all_reduce_worker, n)
     ranks = range(n)
     expect = {
         "sum": sum,
@@ -92,7 +93,7 @@ def test_python_floats_keep_double_precision():
     sums.update("x", 1e8, count=1)
     sums.update("x", 1.0, count=1)
     assert sums.reduced()["x"] == (1e8 + 1.0, 2)
-    for out in ddpkit.spawn(_float_precision_worker, 2):
+    for out in run_on_ranks(_float_precision_worker, 2):
         assert out == {
             "scalar": 0.1 + 0.1,
             "dict": {"third": 1 / 3 + 1 / 3},
@@ -131,7 +132,7 @@ def _metric_worker() -> dict:
 
 @pytest.mark.parametrize("n", WORLDS)
 def test_metric_sums_exact_mean_with_uneven_and_empty_ranks(n):
-    results = ddpkit.spawn(_metric_worker, n)
+    results = run_on_ranks(_metric_worker, n)
     expected_loss = VALUES.float().double().mean().item()  # one process, every sample
     expected_acc = HITS.mean().item()
     if n == 3:
@@ -182,7 +183,7 @@ def _contrastive_grads(with_grad: bool) -> torch.Tensor:
 
 @pytest.mark.parametrize("with_grad", [True, False], ids=["grad", "control-detached"])
 def test_a_gather_with_grad_trains_what_one_process_trains(with_grad):
-    results = ddpkit.spawn(_contrastive_grads, 3, (with_grad,))
+    results = run_on_ranks(_contrastive_grads, 3, (with_grad,))
     x = torch.arange(6, dtype=torch.float64)[:, None] * torch.tensor(
         [0.3, -0.2], dtype=torch.float64
     )
@@ -196,7 +197,7 @@ def test_a_gather_with_grad_trains_what_one_process_trains(with_grad):
 
 @pytest.mark.parametrize("n", WORLDS)
 def test_gather_and_broadcast(n):
-    results = ddpkit.spawn(_gather_worker, n)
+    results = run_on_ranks(_gather_worker, n)
     total = sum(range(n))
     for out in results:
         rows = out["rows"]
@@ -231,7 +232,7 @@ def _barrier_worker(tmp: str) -> dict:
 
 @pytest.mark.parametrize("n", WORLDS)
 def test_barrier_waits_for_every_rank(n, tmp_path):
-    results = ddpkit.spawn(_barrier_worker, n, (str(tmp_path),))
+    results = run_on_ranks(_barrier_worker, n, (str(tmp_path),))
     assert [out["after"] for out in results] == [[f"arrived_{r}" for r in range(n)]] * n
     assert results[0]["late_seen_by_rank0"] == []
     assert sorted(p.name for p in tmp_path.glob("late_*")) == [f"late_{r}" for r in range(1, n)]
@@ -262,7 +263,7 @@ def _main_first_worker(tmp: str) -> dict:
 
 @pytest.mark.parametrize("n", WORLDS)
 def test_main_first_runs_rank0_before_the_others(n, tmp_path):
-    results = ddpkit.spawn(_main_first_worker, n, (str(tmp_path),))
+    results = run_on_ranks(_main_first_worker, n, (str(tmp_path),))
     assert [out["global"] for out in results] == [False] + [True] * (n - 1)
     assert [out["local"] for out in results] == [False] + [True] * (n - 1)
     # nobody saw the file: order not enforced
@@ -284,7 +285,7 @@ def _print_worker() -> dict:
 
 @pytest.mark.parametrize("n", WORLDS)
 def test_print0_and_logger_print_on_rank0_only(n):
-    results = ddpkit.spawn(_print_worker, n)
+    results = run_on_ranks(_print_worker, n)
     assert [out["stdout"] for out in results] == ["hello from 0\n"] + [""] * (n - 1)
     assert results[0]["stderr"] == "main only 0\n[rank 0] every rank\n"
     for r in range(1, n):
@@ -330,7 +331,7 @@ def _subgroup_worker(tmp: str) -> dict:
 def test_helpers_with_a_subgroup(tmp_path):
     members_dir = tmp_path / "members"
     members_dir.mkdir()
-    rank0, rank1, rank2 = ddpkit.spawn(_subgroup_worker, 3, (str(members_dir),))
+    rank0, rank1, rank2 = run_on_ranks(_subgroup_worker, 3, (str(members_dir),))
     for global_rank, out in ((1, rank1), (2, rank2)):
         assert out["rank"] == global_rank - 1
         assert out["world_size"] == 2

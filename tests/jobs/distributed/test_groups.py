@@ -13,6 +13,7 @@ from torch import nn
 import ddpkit
 from ddpkit._errors import ConfigError
 from ddpkit.distributed._groups import split_world
+from ddpkit.testing import run_on_ranks
 from ddpkit.training._config import LoggingConfig, SnapshotConfig
 from ddpkit.training._trainer import Trainer, TrainerConfig
 from tests.jobs.scripts.search_job import Data
@@ -67,7 +68,7 @@ def _alone(run_root: str, candidate: int) -> dict:
 
 @pytest.mark.torch_at_least(2, 7, "snapshots of a group of ranks without the job's rank 0")
 def test_a_trainer_per_group_equals_each_trainer_alone(tmp_path):
-    results = ddpkit.spawn(functools.partial(_in_groups, str(tmp_path / "groups")), 4)
+    results = run_on_ranks(functools.partial(_in_groups, str(tmp_path / "groups")), 4)
     assert [(r["group_index"], r["rank"], r["world_size"]) for r in results] == [
         (0, 0, 2),
         (0, 1, 2),
@@ -75,7 +76,7 @@ def test_a_trainer_per_group_equals_each_trainer_alone(tmp_path):
         (1, 1, 2),
     ]
     for candidate in (0, 1):
-        alone = ddpkit.spawn(functools.partial(_alone, str(tmp_path / "alone"), candidate), 2)[0]
+        alone = run_on_ranks(functools.partial(_alone, str(tmp_path / "alone"), candidate), 2)[0]
         grouped = results[2 * candidate]
         assert bitwise_equal(grouped, alone), (
             f"candidate {candidate} trained differently inside a group"
@@ -117,7 +118,7 @@ def _group_metrics() -> dict:
 
 
 def test_group_metrics_are_exact_and_the_tutorials_are_off_by_the_world_size():
-    results = ddpkit.spawn(_group_metrics, 4)
+    results = run_on_ranks(_group_metrics, 4)
     for r in results:
         assert r["exact"] == pytest.approx(r["reference"], rel=1e-6)
         # Control: the tutorial's reduction is world_size (2) times too small.
@@ -143,7 +144,7 @@ def _helpers_follow_the_group() -> dict:
 
 
 def test_helpers_count_ranks_within_the_group():
-    results = ddpkit.spawn(_helpers_follow_the_group, 4)
+    results = run_on_ranks(_helpers_follow_the_group, 4)
     assert [r["rank"] for r in results] == [0, 1, 0, 1]
     assert [r["sum"] for r in results] == [1, 1, 5, 5]
     assert [r["bcast"] for r in results] == ["from 0", "from 0", "from 2", "from 2"]
@@ -161,5 +162,5 @@ def _bad_split(size: int) -> str:
 
 
 def test_a_group_size_that_does_not_divide_the_world_is_refused():
-    messages = ddpkit.spawn(functools.partial(_bad_split, 2), 3)
+    messages = run_on_ranks(functools.partial(_bad_split, 2), 3)
     assert all("group_size=2" in m and "divisor of 3" in m for m in messages)

@@ -377,3 +377,20 @@ def test_spawn_says_pass_rank_when_the_function_takes_a_rank():
         ddpkit.spawn(_without_init_worker, nprocs=2, pass_rank=True)
     with pytest.raises(ConfigError, match="pass both by name"):
         ddpkit.spawn(_seeds_train, (2,), 2)  # mp.spawn's positional order
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_default_group_is_bound_to_the_ranks_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    found = ddpkit.spawn(_bound_device_id, 1)[0]
+    assert found == (str(torch.device("cuda", 0)), 1.0)
+
+
+def _bound_device_id() -> tuple[str, float]:
+    import torch.distributed as dist
+
+    rt = ddpkit.init()
+    one = torch.ones(1, device=rt.device)
+    dist.all_reduce(one)  # the bound NCCL group really reduces
+    return str(dist.group.WORLD.bound_device_id), one.item()

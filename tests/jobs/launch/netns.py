@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.jobs.conftest import clean_environ
 from tests.trainer_checks import newest_snapshot
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -70,39 +71,29 @@ def hosts_files(names: dict[str, dict[str, str]]) -> Iterator[None]:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def clean_env(threads: int = 1) -> dict[str, str]:
-    """This process's environment less any launcher's variables, at ``threads`` intra-op threads."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("SLURM_", "TORCHELASTIC_", "PMI_", "OMPI_", "PET_"))
-    }
-    for name in (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "GLOO_SOCKET_IFNAME",
-    ):
+def node_env(threads: int = 1, *, secret: bool = True) -> dict[str, str]:
+    """A node's environment: :func:`~tests.jobs.conftest.clean_environ` at ``threads`` intra-op
+    threads (the launcher's default splits the node's cores between its processes, which differs
+    between one node of 2 processes and two nodes of 1), without what makes a process a pod's or
+    names a network interface, output unbuffered; with the job's rendezvous secret unless
+    ``secret=False``."""
+    env = clean_environ(threads)
+    for name in ("KUBERNETES_SERVICE_HOST", "JOB_COMPLETION_INDEX", "GLOO_SOCKET_IFNAME"):
         env.pop(name, None)
-    for name in ("KUBERNETES_SERVICE_HOST", "JOB_COMPLETION_INDEX"):
-        env.pop(name, None)
-    # Bitwise equality holds at equal intra-op thread counts: the launcher's default splits the
-    # node's cores between its processes, which differs between one node of 2 processes and two
-    # nodes of 1.
-    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
-    # ddpkit, and the job scripts' own imports
-    env["PYTHONPATH"] = f"{ROOT / 'src'}{os.pathsep}{ROOT}"
-    return env
+    env = {k: v for k, v in env.items() if not k.startswith("PET_")}
+    return env | {"PYTHONUNBUFFERED": "1"} | ({"DDPKIT_RDZV_SECRET": SECRET} if secret else {})
 
 
-def on(ns: str, argv: list[str], cwd: Path, log: str, env: dict[str, str]) -> subprocess.Popen:
+def on(
+    ns: str, argv: list[str], cwd: Path, log: str, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """``argv`` started on node ``ns`` in a session of its own, its output to ``cwd/log``; ``env``
+    defaults to :func:`node_env`."""
     with open(cwd / log, "w") as out:
         return subprocess.Popen(
             ["ip", "netns", "exec", ns, *argv],
             cwd=cwd,
-            env=env,
+            env=node_env() if env is None else env,
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -126,7 +117,3 @@ def finish(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return newest_snapshot(run_dir)[1]
-
-
-def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.testing import run_job, without_launch_env
+from ddpkit.testing import run_job
+from tests.jobs.conftest import clean_environ
 
 pytestmark = [
     pytest.mark.slow,
@@ -26,7 +27,7 @@ JOB = str(Path(__file__).with_name("disagree_job.py"))
 
 
 def _run(tmp_path: Path, mode: str, *launcher: str) -> tuple[subprocess.CompletedProcess, float]:
-    env = {k: v for k, v in without_launch_env().items() if not k.startswith("DDPKIT_STALL")}
+    env = {k: v for k, v in clean_environ().items() if not k.startswith("DDPKIT_STALL")}
     start = time.monotonic()
     out = run_job(
         JOB, mode, launcher_args=launcher, env=env | {"PYTHONUNBUFFERED": "1"}, cwd=tmp_path,

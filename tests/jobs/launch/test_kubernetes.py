@@ -17,7 +17,6 @@ Each trains to the bits of the same job on one node. Pods killed and recreated (
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -29,7 +28,7 @@ import pytest
 import torch
 
 from ddpkit._launch.cli import k8s
-from ddpkit.testing import run_job, wait_until
+from ddpkit.testing import read_records, run_job, wait_until
 from tests.jobs.launch import netns
 from tests.jobs.launch.netns import DDPKIT, ROOT
 from tests.trainer_checks import bitwise_equal
@@ -62,7 +61,7 @@ def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reference")
     (tmp / "log").mkdir()
     job = [str(tmp / "run"), "--log", str(tmp / "log"), "--out", "ref.pt"]
-    out = run_job(JOB, *job, env=netns.clean_env(), cwd=tmp, timeout=300)
+    out = run_job(JOB, *job, env=netns.node_env(secret=False), cwd=tmp, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return torch.load(tmp / "ref.pt", weights_only=False)
 
@@ -95,7 +94,7 @@ def pod(
     """(command, environment) of pod ``index`` of a 2-pod job of ``kind``: the operator's variables,
     and the command ``ddpkit k8s`` writes (plain ``python`` for a PyTorchJob of one process per
     pod)."""
-    env = netns.clean_env() | POD | operator_env(kind, index)
+    env = netns.node_env(secret=False) | POD | operator_env(kind, index)
     env["DDPKIT_MEMORY_ROOT"] = str(tmp / f"shm-{name}-{index}")
     Path(env["DDPKIT_MEMORY_ROOT"]).mkdir(exist_ok=True)
     (tmp / f"{name}-log").mkdir(exist_ok=True)
@@ -139,8 +138,7 @@ def logs(tmp: Path, name: str) -> list[str]:
 
 
 def resumes(run_dir: Path) -> list[dict]:
-    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-    return [r for r in records if r.get("event") == "resume"]
+    return [r for r in read_records(run_dir) if r.get("event") == "resume"]
 
 
 @pytest.mark.parametrize("kind", ["pytorchjob", "pytorchjob-run", "trainjob", "jobset"])
@@ -174,7 +172,7 @@ def test_a_one_pod_job_of_two_processes_trains_without_a_secret(pods, reference,
     (ns_a, _), _ = pods
     master = NODE0 if kind == "trainjob" else MASTER
     env = (
-        netns.clean_env()
+        netns.node_env(secret=False)
         | POD
         | {"PET_NNODES": "1", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": "0"}
     )

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.testing import run_job, start_job, wait_until, without_launch_env
+from ddpkit.testing import run_job, start_job, wait_until
 
 pytestmark = pytest.mark.heavy
 
@@ -23,15 +23,6 @@ PROBE = str(Path(__file__).parents[1] / "scripts" / "launch_probe.py")
 
 
 DDPKIT = [sys.executable, "-m", "ddpkit.cli"]
-
-
-@pytest.fixture
-def clean_env() -> dict[str, str]:
-    """This environment without any launcher's variables (nor OMP_NUM_THREADS), as a user's shell
-    would have it."""
-    env = without_launch_env({k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"})
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
 
 
 @pytest.fixture(autouse=True)
@@ -45,8 +36,8 @@ def cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run(DDPKIT + args, env=env, capture_output=True, text=True, timeout=90)
 
 
-def test_rank_zero_output_by_default(clean_env):
-    out = run_job(HELLO, "a", "b", env=clean_env, timeout=90)
+def test_rank_zero_output_by_default(user_env):
+    out = run_job(HELLO, "a", "b", env=user_env, timeout=90)
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if line.startswith("hello")]
     assert lines == ["hello rank=0 world=2 attempt=0 sum=3 threads=1 words=['a', 'b']"]
@@ -71,17 +62,17 @@ _torn_down = _TornDown()
 """
 
 
-def _exit_probe_env(clean_env: dict[str, str], folder: Path) -> dict[str, str]:
+def _exit_probe_env(user_env: dict[str, str], folder: Path) -> dict[str, str]:
     (folder / "site").mkdir(parents=True)
     (folder / "site" / "sitecustomize.py").write_text(_EXIT_PROBE)
-    path = os.pathsep.join(filter(None, [str(folder / "site"), clean_env.get("PYTHONPATH")]))
-    return clean_env | {"PYTHONPATH": path, "EXIT_PROBE": str(folder)}
+    path = os.pathsep.join(filter(None, [str(folder / "site"), user_env.get("PYTHONPATH")]))
+    return user_env | {"PYTHONPATH": path, "EXIT_PROBE": str(folder)}
 
 
 def test_ddpkit_run_ends_after_its_exit_handlers_without_the_interpreters_teardown(
-    clean_env, tmp_path
+    user_env, tmp_path
 ):
-    env = _exit_probe_env(clean_env, tmp_path / "probe")
+    env = _exit_probe_env(user_env, tmp_path / "probe")
     proc = start_job(HELLO, "a", env=env)
     out, err = proc.communicate(timeout=90)
     assert proc.returncode == 0, err[-3000:]
@@ -108,10 +99,10 @@ def test_ddpkit_run_ends_after_its_exit_handlers_without_the_interpreters_teardo
 
 
 @pytest.mark.slow
-def test_more_than_ten_processes_keep_rank_zero_alone_on_the_terminal(clean_env, tmp_path):
+def test_more_than_ten_processes_keep_rank_zero_alone_on_the_terminal(user_env, tmp_path):
     # torchrun's --redirects pattern takes one-digit local ranks: "1:3,...,11:3" was a ValueError
     # before any worker started. The map now goes to torchrun's logs spec.
-    out = run_job(HELLO, nproc=12, launcher_args=["--oversubscribe"], env=clean_env, timeout=240)
+    out = run_job(HELLO, nproc=12, launcher_args=["--oversubscribe"], env=user_env, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line for line in out.stdout.splitlines() if line.startswith("hello")]
     assert lines == ["hello rank=0 world=12 attempt=0 sum=78 threads=1 words=[]"]
@@ -119,8 +110,8 @@ def test_more_than_ten_processes_keep_rank_zero_alone_on_the_terminal(clean_env,
     assert "hello rank=11 world=12" in next(run_dir.rglob("11/stdout.log")).read_text()
 
 
-def test_all_ranks_output_is_prefixed(clean_env):
-    out = run_job(HELLO, nproc=3, launcher_args=["--all-ranks"], env=clean_env, timeout=90)
+def test_all_ranks_output_is_prefixed(user_env):
+    out = run_job(HELLO, nproc=3, launcher_args=["--all-ranks"], env=user_env, timeout=90)
     assert out.returncode == 0, out.stderr
     for r in range(3):
         assert f"[rank {r}] hello rank={r} world=3" in out.stdout
@@ -130,10 +121,10 @@ PIECES = str(Path(__file__).parents[1] / "scripts" / "pieces.py")
 
 
 @pytest.mark.slow
-def test_all_ranks_tags_whole_lines_not_pieces(clean_env):
+def test_all_ranks_tags_whole_lines_not_pieces(user_env):
     # Two ranks print lines in pieces at the same time: each tagged line must be a whole line of one
     # rank.
-    out = run_job(PIECES, launcher_args=["--all-ranks"], env=clean_env, timeout=90)
+    out = run_job(PIECES, launcher_args=["--all-ranks"], env=user_env, timeout=90)
     assert out.returncode == 0, out.stderr
     tagged = [line for line in out.stdout.splitlines() if line.startswith("[rank ")]
     for r in range(2):
@@ -158,8 +149,8 @@ def test_all_ranks_tags_whole_lines_not_pieces(clean_env):
     )
 
 
-def test_failure_summary_names_rank_exception_and_line(clean_env, tmp_path):
-    out = run_job(HELLO, "--fail-rank", "1", env=clean_env, timeout=90)
+def test_failure_summary_names_rank_exception_and_line(user_env, tmp_path):
+    out = run_job(HELLO, "--fail-rank", "1", env=user_env, timeout=90)
     assert out.returncode == 1
     summary = out.stderr[out.stderr.index("ddpkit run:") :]
     assert "first: rank 1 (local rank 1" in summary
@@ -192,13 +183,13 @@ except ValueError:
 """
 
 
-def test_a_scripts_own_record_writes_through_the_workers_handler(clean_env, tmp_path):
+def test_a_scripts_own_record_writes_through_the_workers_handler(user_env, tmp_path):
     """A script with torch's ``@record`` on its ``main`` gets the worker's handler (which writes the
     agent's file whole), and the summary names the exception it recorded, though the script then
     exits with a code of its own."""
     script = tmp_path / "recorded.py"
     script.write_text(_RECORDED)
-    out = run_job(script, env=clean_env, timeout=90)
+    out = run_job(script, env=user_env, timeout=90)
     assert out.returncode == 3, out.stderr
     assert "record's handler: WholeErrorFile" in out.stdout
     summary = out.stderr[out.stderr.index("ddpkit run:") :]
@@ -207,64 +198,64 @@ def test_a_scripts_own_record_writes_through_the_workers_handler(clean_env, tmp_
 
 
 @pytest.mark.slow  # a whole job with a restart or several launches: seconds each
-def test_restart_after_failure_resumes_the_job(clean_env):
+def test_restart_after_failure_resumes_the_job(user_env):
     out = run_job(
-        HELLO, "--fail-first-attempt", launcher_args=["--max-restarts", "1"], env=clean_env,
+        HELLO, "--fail-first-attempt", launcher_args=["--max-restarts", "1"], env=user_env,
         timeout=90,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "hello rank=0 world=2 attempt=0" in out.stdout
     assert "hello rank=0 world=2 attempt=1" in out.stdout
     # control: without restarts the same job fails
-    out = run_job(HELLO, "--fail-first-attempt", env=clean_env, timeout=90)
+    out = run_job(HELLO, "--fail-first-attempt", env=user_env, timeout=90)
     assert out.returncode != 0 and "planned failure on the first attempt" in out.stderr
 
 
 @pytest.mark.slow  # a whole job with a restart or several launches: seconds each
-def test_two_jobs_at_once_on_one_machine(clean_env):
-    jobs = [start_job(HELLO, f"job{i}", env=clean_env) for i in range(2)]
+def test_two_jobs_at_once_on_one_machine(user_env):
+    jobs = [start_job(HELLO, f"job{i}", env=user_env) for i in range(2)]
     for i, job in enumerate(jobs):
         stdout, stderr = job.communicate(timeout=90)
         assert job.returncode == 0, stderr
         assert f"words=['job{i}']" in stdout
 
 
-def test_bad_flag_is_a_clear_error_not_a_stack(clean_env):
-    out = cli(["run", "--nproc", "gpu", HELLO], clean_env)
+def test_bad_flag_is_a_clear_error_not_a_stack(user_env):
+    out = cli(["run", "--nproc", "gpu", HELLO], user_env)
     assert out.returncode == 2
     assert "--nproc gpu but no GPU is visible" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_env_command_reports_and_checks(clean_env):
-    out = cli(["env"], clean_env)
+def test_env_command_reports_and_checks(user_env):
+    out = cli(["env"], user_env)
     assert out.returncode == 0, out.stderr
     assert "torch" in out.stdout and "gloo available" in out.stdout
     assert "live check (2 processes, gloo all-reduce)  ok" in out.stdout
 
 
-def test_script_arguments_that_look_like_launcher_options_reach_the_script(clean_env):
+def test_script_arguments_that_look_like_launcher_options_reach_the_script(user_env):
     # Prefixes of ddpkit's and torchrun's options (--log-dir, --max-restarts, --node-rank,
     # --master-addr) and --nproc itself, after the script: all of them belong to the script.
     args = ["--log", "5", "--max", "1", "--node", "x", "--master", "y", "--nproc", "3"]
-    out = run_job(PROBE, "args", *args, env=clean_env, timeout=90)
+    out = run_job(PROBE, "args", *args, env=user_env, timeout=90)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"rank=0 argv={args}" in out.stdout
 
 
-def test_missing_script_is_an_error_before_any_worker_starts(clean_env, tmp_path):
-    out = run_job("nothere.py", env=clean_env, timeout=90)
+def test_missing_script_is_an_error_before_any_worker_starts(user_env, tmp_path):
+    out = run_job("nothere.py", env=user_env, timeout=90)
     assert out.returncode == 2
     assert "script 'nothere.py' not found" in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "ddpkit-logs").exists()  # no worker, no log folder
-    out = run_job("no_such_module_here", launcher_args=["-m"], env=clean_env, timeout=90)
+    out = run_job("no_such_module_here", launcher_args=["-m"], env=user_env, timeout=90)
     assert out.returncode == 2 and "no module named 'no_such_module_here'" in out.stderr
 
 
 @pytest.mark.slow  # a whole job with a restart or several launches: seconds each
-def test_a_script_that_forgot_init_fails_instead_of_training_copies(clean_env):
+def test_a_script_that_forgot_init_fails_instead_of_training_copies(user_env):
     # Without ddpkit.init(), each of the two ranks used to build a loader over the whole data set,
     # train its own copy and exit 0 ("trained on 12 samples" twice).
-    out = run_job(PROBE, "no-init", env=clean_env, timeout=90)
+    out = run_job(PROBE, "no-init", env=user_env, timeout=90)
     assert out.returncode == 1, out.stdout
     assert "trained on" not in out.stdout
     assert (
@@ -273,30 +264,30 @@ def test_a_script_that_forgot_init_fails_instead_of_training_copies(clean_env):
     )
     # Control: the same script as plain python is a world of one and runs.
     plain = subprocess.run(
-        [sys.executable, PROBE, "no-init"], env=clean_env, capture_output=True, text=True
+        [sys.executable, PROBE, "no-init"], env=user_env, capture_output=True, text=True
     )
     assert plain.returncode == 0 and "trained on 12 samples" in plain.stdout, plain.stderr
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("code", [None, 143])
-def test_preempted_exit_code_passes_through_without_a_restart(clean_env, code):
+def test_preempted_exit_code_passes_through_without_a_restart(user_env, code):
     """75, or the code asked for (``--preempted-exit-code 143``: a PyTorchJob's ExitCode policy
     retries it)."""
     flags = [] if code is None else ["--preempted-exit-code", str(code)]
     options = ["--max-restarts", "2", *flags]
-    out = run_job(PROBE, "preempted", launcher_args=options, env=clean_env, timeout=90)
+    out = run_job(PROBE, "preempted", launcher_args=options, env=user_env, timeout=90)
     assert out.returncode == (code or 75), out.stderr[-3000:]
     assert "rank=0 attempt=0" in out.stdout and "attempt=1" not in out.stdout, out.stderr
     assert f"stopped by a signal after saving a snapshot (exit code {code or 75})" in out.stderr
 
 
 @pytest.mark.slow
-def test_no_temporary_folders_left_behind(clean_env, tmp_path):
+def test_no_temporary_folders_left_behind(user_env, tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    clean_env["TMPDIR"] = str(tmp)
-    out = run_job(HELLO, env=clean_env, timeout=90)
+    user_env["TMPDIR"] = str(tmp)
+    out = run_job(HELLO, env=user_env, timeout=90)
     assert out.returncode == 0, out.stderr
     # torchrun's default was a torchelastic_* folder in TMPDIR per run, never removed. Rank 1's
     # output is in the run's own folder instead. torchinductor_<user> is torch's compile cache, kept
@@ -359,7 +350,7 @@ def _output(proc: subprocess.Popen, timeout: float = 60) -> str:
     not sys.platform.startswith("linux"), reason="the parent-death signal is a Linux feature"
 )
 @pytest.mark.slow
-def test_workers_die_with_a_sigkilled_launcher(clean_env, tmp_path):
+def test_workers_die_with_a_sigkilled_launcher(user_env, tmp_path):
     def survivors(
         tag: str, *launcher_args: str, torchrun: list[str] | None = None
     ) -> tuple[list[int], int]:
@@ -367,7 +358,7 @@ def test_workers_die_with_a_sigkilled_launcher(clean_env, tmp_path):
         fork servers."""
         folder = tmp_path / tag
         folder.mkdir()
-        proc = _start([PROBE, "pids", str(folder)], clean_env, *launcher_args, torchrun=torchrun)
+        proc = _start([PROBE, "pids", str(folder)], user_env, *launcher_args, torchrun=torchrun)
         pids = _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
         servers = _fork_servers(proc.pid)
         pids += servers
@@ -442,7 +433,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("how", ["end", "fail", "restart"])
-def test_what_the_workers_start_ends_with_them(how, clean_env, tmp_path):
+def test_what_the_workers_start_ends_with_them(how, user_env, tmp_path):
     """A ``sleep`` in the worker's process group, a forked child that ignores SIGTERM and a
     ``sleep`` in a session of its own, started by each of two workers: gone when the job ends,
     fails, or restarts the workers."""
@@ -466,14 +457,14 @@ def test_what_the_workers_start_ends_with_them(how, clean_env, tmp_path):
         assert len(_family(folder)) == 3 * 2 * (2 if how == "restart" else 1), out[-3000:]
         return out, alive
 
-    out, alive = job("ddpkit", clean_env)
+    out, alive = job("ddpkit", user_env)
     assert alive == []
     if how == "restart":  # gone before the second attempt started, not only at the end
         assert "rank=0 attempt=1 alive from the attempt before: [] of 6" in out, out[-3000:]
     # Control: under torchrun's agent they outlive the job. (Its restarted workers hang on the
     # shared store unless it is switched off, as ddpkit run does.)
     out, alive = job(
-        "torchrun", clean_env | {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, torchrun=TORCHRUN
+        "torchrun", user_env | {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, torchrun=TORCHRUN
     )
     assert len(alive) >= 4, alive  # at least the forked and the detached children of both workers
     if how == "restart":
@@ -484,11 +475,11 @@ def test_what_the_workers_start_ends_with_them(how, clean_env, tmp_path):
     not sys.platform.startswith("linux"), reason="the parent-death signal is a Linux feature"
 )
 @pytest.mark.slow
-def test_what_the_workers_start_dies_with_a_sigkilled_launcher(clean_env, tmp_path):
+def test_what_the_workers_start_dies_with_a_sigkilled_launcher(user_env, tmp_path):
     def survivors(tag: str, torchrun: list[str] | None = None) -> list[int]:
         folder = tmp_path / tag
         folder.mkdir()
-        proc = _start([PROBE, "family", "hold", str(folder)], clean_env, torchrun=torchrun)
+        proc = _start([PROBE, "family", "hold", str(folder)], user_env, torchrun=torchrun)
         try:
 
             def both_ranks_started() -> bool:
@@ -514,13 +505,13 @@ def test_what_the_workers_start_dies_with_a_sigkilled_launcher(clean_env, tmp_pa
 
 
 @pytest.mark.slow
-def test_sigusr1_to_the_launcher_reaches_the_workers(clean_env, tmp_path):
+def test_sigusr1_to_the_launcher_reaches_the_workers(user_env, tmp_path):
     # SLURM's --signal=USR1@T warning, sent to `ddpkit run` (the srun task): the workers get it,
     # stop as a pre-empted Trainer does, and the launcher exits 75 for the batch script to requeue
     # the job.
     folder = tmp_path / "ddpkit"
     folder.mkdir()
-    proc = _start([PROBE, "hold-usr1", str(folder)], clean_env)
+    proc = _start([PROBE, "hold-usr1", str(folder)], user_env)
     _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
     os.kill(proc.pid, signal.SIGUSR1)
     out = _output(proc)
@@ -539,7 +530,7 @@ def test_sigusr1_to_the_launcher_reaches_the_workers(clean_env, tmp_path):
         "2",
     ]
     proc = _start(
-        ["-m", "ddpkit._launch.agent.worker", PROBE, "hold-usr1", str(folder)], clean_env,
+        ["-m", "ddpkit._launch.agent.worker", PROBE, "hold-usr1", str(folder)], user_env,
         torchrun=torchrun,
     )  # fmt: skip
     pids = _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
@@ -552,12 +543,12 @@ def test_sigusr1_to_the_launcher_reaches_the_workers(clean_env, tmp_path):
 
 
 @pytest.mark.slow
-def test_sigusr1_before_the_trainer_listens_does_not_kill_a_worker(clean_env, tmp_path):
+def test_sigusr1_before_the_trainer_listens_does_not_kill_a_worker(user_env, tmp_path):
     # The warning can come while the data loads: each worker holds it for a later fit() instead of
     # dying.
     folder = tmp_path / "ddpkit"
     folder.mkdir()
-    proc = _start([PROBE, "hold-usr1", str(folder)], clean_env)
+    proc = _start([PROBE, "hold-usr1", str(folder)], user_env)
     pids = _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
     for pid in pids:
         os.kill(pid, signal.SIGUSR1)
@@ -567,10 +558,10 @@ def test_sigusr1_before_the_trainer_listens_does_not_kill_a_worker(clean_env, tm
 
 
 @pytest.mark.slow
-def test_a_hang_ends_within_the_bound_with_every_ranks_stack(clean_env):
+def test_a_hang_ends_within_the_bound_with_every_ranks_stack(user_env):
     # Rank 1 sleeps in user code while rank 0 waits for it in an all-reduce.
     out = run_job(
-        PROBE, "hang", launcher_args=["--collective-timeout", "5"], env=clean_env, timeout=120
+        PROBE, "hang", launcher_args=["--collective-timeout", "5"], env=user_env, timeout=120
     )
     assert out.returncode == 1, out.stderr[-3000:]
     summary = out.stderr[out.stderr.index("ddpkit run:") :]
@@ -585,7 +576,7 @@ def test_a_hang_ends_within_the_bound_with_every_ranks_stack(clean_env):
     assert "in stuck_in_user_code" in stack and "launch_probe.py" in stack
     # Control: under torchrun's agent alone the job also ends (the bound is the process group's),
     # but nothing says where rank 1 was.
-    env = clean_env | {"DDPKIT_COLLECTIVE_TIMEOUT": "5"}
+    env = user_env | {"DDPKIT_COLLECTIVE_TIMEOUT": "5"}
     torchrun = [
         sys.executable,
         "-m",
@@ -601,7 +592,7 @@ def test_a_hang_ends_within_the_bound_with_every_ranks_stack(clean_env):
 
 
 @pytest.mark.slow
-def test_mismatched_collectives_are_named_by_the_stall_watch_or_debug_collectives(clean_env):
+def test_mismatched_collectives_are_named_by_the_stall_watch_or_debug_collectives(user_env):
     """Rank 0 all-reduces 3 numbers through ``torch.distributed``, rank 1 two: the stall watch
     names them (op, number and size) within its floor. ``--debug-collectives`` diagnoses the same
     with torch's DETAIL mode where that mode works, and is refused with the reason where it
@@ -610,7 +601,7 @@ def test_mismatched_collectives_are_named_by_the_stall_watch_or_debug_collective
     from ddpkit._launch.cli.run import check_debug_collectives
 
     watch = ["--stall-timeout", "3", "--collective-timeout", "20"]
-    out = run_job(PROBE, "mismatch", launcher_args=watch, env=clean_env, timeout=120)
+    out = run_job(PROBE, "mismatch", launcher_args=watch, env=user_env, timeout=120)
     assert out.returncode != 0
     assert "ranks disagree on their collectives: rank 0 in all_reduce #1 of 3 elements" in (
         out.stderr
@@ -618,18 +609,18 @@ def test_mismatched_collectives_are_named_by_the_stall_watch_or_debug_collective
     # Control: the watch off, gloo gives no such diagnosis (it fails on sizes, or waits out the
     # bound).
     off = ["--stall-timeout", "0", "--collective-timeout", "5"]
-    out = run_job(PROBE, "mismatch", launcher_args=off, env=clean_env, timeout=120)
+    out = run_job(PROBE, "mismatch", launcher_args=off, env=user_env, timeout=120)
     assert out.returncode != 0 and "disagree" not in out.stderr
     try:
         check_debug_collectives()
     except ConfigError as refused:
         out = run_job(
-            PROBE, "mismatch", launcher_args=["--debug-collectives"], env=clean_env, timeout=90
+            PROBE, "mismatch", launcher_args=["--debug-collectives"], env=user_env, timeout=90
         )
         assert out.returncode != 0 and str(refused) in out.stderr, out.stderr[-3000:]
         return
     debug = ["--debug-collectives", "--collective-timeout", "10"]
-    out = run_job(PROBE, "mismatch", launcher_args=debug, env=clean_env, timeout=120)
+    out = run_job(PROBE, "mismatch", launcher_args=debug, env=user_env, timeout=120)
     assert out.returncode == 1
     assert (
         "Detected mismatch between collectives" in out.stderr
@@ -638,13 +629,13 @@ def test_mismatched_collectives_are_named_by_the_stall_watch_or_debug_collective
 
 
 @pytest.mark.slow
-def test_sigterm_to_the_launcher_lets_the_workers_save_and_exit_75(clean_env, tmp_path):
+def test_sigterm_to_the_launcher_lets_the_workers_save_and_exit_75(user_env, tmp_path):
     # A pre-emption's SIGTERM to `ddpkit run`: the workers get it, save (here: agree and stop) and
     # exit 75, which the launcher passes on. torchrun's own agent stopped them itself and exited 143
     # whatever they did.
     folder = tmp_path / "ddpkit"
     folder.mkdir()
-    proc = _start([PROBE, "hold-term", str(folder)], clean_env, "--max-restarts", "2")
+    proc = _start([PROBE, "hold-term", str(folder)], user_env, "--max-restarts", "2")
     _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
     os.kill(proc.pid, signal.SIGTERM)
     out = _output(proc)
@@ -663,7 +654,7 @@ def test_sigterm_to_the_launcher_lets_the_workers_save_and_exit_75(clean_env, tm
         "2",
     ]
     proc = _start(
-        ["-m", "ddpkit._launch.agent.worker", PROBE, "hold-term", str(folder)], clean_env,
+        ["-m", "ddpkit._launch.agent.worker", PROBE, "hold-term", str(folder)], user_env,
         torchrun=torchrun,
     )  # fmt: skip
     _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
@@ -690,10 +681,10 @@ def _documented_kill_recipe() -> list[str]:
 
 @pytest.mark.slow  # a whole job with a restart or several launches: seconds each
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the worker's guard is Linux only")
-def test_the_documented_kill_recipe_kills_a_worker_and_the_job_restarts(clean_env, tmp_path):
+def test_the_documented_kill_recipe_kills_a_worker_and_the_job_restarts(user_env, tmp_path):
     folder = tmp_path / "pids"
     folder.mkdir()
-    proc = _start([KILL_JOB, str(folder)], clean_env, "--max-restarts", "1")
+    proc = _start([KILL_JOB, str(folder)], user_env, "--max-restarts", "1")
     try:
         workers = _wait_for_files([folder / f"attempt0-rank{r}.pid" for r in (0, 1)], proc)
         killed = subprocess.run(
@@ -714,15 +705,15 @@ def test_the_documented_kill_recipe_kills_a_worker_and_the_job_restarts(clean_en
 
 
 @pytest.mark.slow  # a whole job with a restart or several launches: seconds each
-def test_a_worker_sees_the_users_omp_threads_for_mkl_too(clean_env, tmp_path):
+def test_a_worker_sees_the_users_omp_threads_for_mkl_too(user_env, tmp_path):
     script = tmp_path / "threads.py"
     script.write_text(
         'import os, ddpkit\nrt = ddpkit.init()\nprint(f"rank={rt.rank} '
         "omp={os.environ.get('OMP_NUM_THREADS')} "
         "mkl={os.environ.get('MKL_NUM_THREADS')}\")\nddpkit.shutdown()\n"
     )
-    clean_env.pop("MKL_NUM_THREADS", None)
-    out = run_job(script, env={**clean_env, "OMP_NUM_THREADS": "3"}, timeout=90)
+    user_env.pop("MKL_NUM_THREADS", None)
+    out = run_job(script, env={**user_env, "OMP_NUM_THREADS": "3"}, timeout=90)
     assert out.returncode == 0, out.stderr
     # (the user's own MKL_NUM_THREADS: test_launcher unit)
     assert "rank=0 omp=3 mkl=3" in out.stdout, out.stdout

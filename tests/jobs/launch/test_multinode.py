@@ -22,9 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.testing import run_job, wait_until
+from ddpkit.testing import read_records, run_job, wait_until
 from tests.jobs.launch import netns
-from tests.jobs.launch.netns import DDPKIT, ROOT, SECRET
+from tests.jobs.launch.netns import DDPKIT, ROOT
+from tests.trainer_checks import same_bits
 
 pytestmark = pytest.mark.slow
 
@@ -38,43 +39,33 @@ def nodes():
         yield pair
 
 
-def _env(threads: int = 1) -> dict[str, str]:
-    return netns.clean_env(threads) | {"DDPKIT_RDZV_SECRET": SECRET}
-
-
-def _on(
-    ns: str, argv: list[str], cwd: Path, log: str, env: dict[str, str] | None = None
-) -> subprocess.Popen:
-    return netns.on(ns, argv, cwd, log, env or _env())
-
-
-_finish, _weights, _same = netns.finish, netns.weights, netns.same
-
-
 def test_two_nodes_train_the_digits_to_the_weights_of_one_node(nodes, tmp_path):
     (ns_a, addr_a), (ns_b, _) = nodes
     flags = ["run", "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", f"{addr_a}:29400"]
     job = [DIGITS, "--run-dir", "runs/two", "--epochs", "1"]
-    procs = [_on(ns, DDPKIT + flags + job, tmp_path, f"{ns}.log") for ns in (ns_a, ns_b)]
-    codes = _finish(procs, timeout=300)
+    procs = [netns.on(ns, DDPKIT + flags + job, tmp_path, f"{ns}.log") for ns in (ns_a, ns_b)]
+    codes = netns.finish(procs, timeout=300)
     logs = {ns: (tmp_path / f"{ns}.log").read_text() for ns in (ns_a, ns_b)}
     assert codes == [0, 0], logs
     assert "test accuracy" in logs[ns_a] + logs[ns_b]
 
     one = run_job(
-        DIGITS, "--run-dir", "runs/one", "--epochs", "1", env=_env(), cwd=tmp_path, timeout=300
-    )
+        DIGITS, "--run-dir", "runs/one", "--epochs", "1", env=netns.node_env(), cwd=tmp_path,
+        timeout=300,
+    )  # fmt: skip
     assert one.returncode == 0, one.stderr[-3000:]
-    assert _same(_weights(tmp_path / "runs/two"), _weights(tmp_path / "runs/one"))
+    assert same_bits(netns.weights(tmp_path / "runs/two"), netns.weights(tmp_path / "runs/one"))
 
     # Control: equality is not a given. The same one-node job at another intra-op thread count (all
     # else equal) sums in another order and ends on different weights.
     other = run_job(
-        DIGITS, "--run-dir", "runs/threads", "--epochs", "1", env=_env(threads=2), cwd=tmp_path,
+        DIGITS, "--run-dir", "runs/threads", "--epochs", "1", env=netns.node_env(2), cwd=tmp_path,
         timeout=300,
     )  # fmt: skip
     assert other.returncode == 0, other.stderr[-3000:]
-    assert not _same(_weights(tmp_path / "runs/threads"), _weights(tmp_path / "runs/one"))
+    assert not same_bits(
+        netns.weights(tmp_path / "runs/threads"), netns.weights(tmp_path / "runs/one")
+    )
 
 
 def test_a_wrong_endpoint_fails_fast_with_a_clear_message(nodes, tmp_path):
@@ -95,7 +86,7 @@ def test_a_wrong_endpoint_fails_fast_with_a_clear_message(nodes, tmp_path):
             f"{nobody}:29400",
             *job,
         ],
-        env=_env(),
+        env=netns.node_env(),
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -122,7 +113,7 @@ def test_a_wrong_endpoint_fails_fast_with_a_clear_message(nodes, tmp_path):
             f"{addr_a}:29400",
             *job,
         ],
-        env=_env(),
+        env=netns.node_env(),
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -151,7 +142,7 @@ def test_a_wrong_endpoint_fails_fast_with_a_clear_message(nodes, tmp_path):
         "--epochs",
         "1",
     ]
-    assert _finish([_on(ns_b, torchrun, tmp_path, "torchrun.log")], timeout=20) == [None]
+    assert netns.finish([netns.on(ns_b, torchrun, tmp_path, "torchrun.log")], timeout=20) == [None]
 
 
 PROBE = str(ROOT / "tests" / "jobs" / "scripts" / "launch_probe.py")
@@ -189,7 +180,7 @@ def test_a_firewall_that_drops_the_rendezvous_port_is_named_within_the_join_time
     if added.returncode != 0:
         pytest.skip(f"iptables cannot add a rule here: {added.stderr.strip()}")
     # hosts the rendezvous, behind the rule
-    host = _on(ns_a, DDPKIT + flags + [PROBE, "info"], tmp_path, "a.log")
+    host = netns.on(ns_a, DDPKIT + flags + [PROBE, "info"], tmp_path, "a.log")
     try:
         out = subprocess.run(
             [
@@ -205,7 +196,7 @@ def test_a_firewall_that_drops_the_rendezvous_port_is_named_within_the_join_time
                 PROBE,
                 "info",
             ],
-            env=_env(),
+            env=netns.node_env(),
             cwd=tmp_path,
             capture_output=True,
             text=True,
@@ -226,7 +217,7 @@ def test_a_firewall_that_drops_the_rendezvous_port_is_named_within_the_join_time
 def test_nodes_with_different_process_counts_run_and_say_so(nodes, tmp_path):
     (ns_a, addr_a), (ns_b, _) = nodes
     procs = [
-        _on(
+        netns.on(
             ns,
             DDPKIT
             + [
@@ -245,7 +236,7 @@ def test_nodes_with_different_process_counts_run_and_say_so(nodes, tmp_path):
         )
         for ns, nproc in ((ns_a, "2"), (ns_b, "1"))
     ]
-    codes = _finish(procs, timeout=120)
+    codes = netns.finish(procs, timeout=120)
     logs = {ns: (tmp_path / f"{ns}.log").read_text() for ns in (ns_a, ns_b)}
     assert codes == [0, 0], logs
     assert "rank=0 world=3" in logs[ns_a] and "sum=6" in logs[ns_a]
@@ -264,9 +255,9 @@ def test_elastic_job_goes_on_without_a_killed_node(nodes, tmp_path):
     samples.mkdir()
     flags = ["run", "--nnodes", "1:2", "--nproc", "1", "--rdzv-endpoint", f"{addr_a}:29400"]
     job = [TRAIN_JOB, "run", "--epochs", "40", "--sample-log", str(samples)]
-    node_a = _on(ns_a, DDPKIT + flags + job, tmp_path, "a.log")
+    node_a = netns.on(ns_a, DDPKIT + flags + job, tmp_path, "a.log")
     # waits for node a's rendezvous if it is first
-    node_b = _on(ns_b, DDPKIT + flags + job, tmp_path, "b.log")
+    node_b = netns.on(ns_b, DDPKIT + flags + job, tmp_path, "b.log")
     # both nodes trained a while, with snapshots every 3 steps
     _wait_while_running(
         lambda: _steps_logged(samples) >= 60,
@@ -278,15 +269,14 @@ def test_elastic_job_goes_on_without_a_killed_node(nodes, tmp_path):
     # node b's agent; its worker dies with it (parent-death signal)
     os.kill(node_b.pid, signal.SIGKILL)
     node_b.wait()
-    code = _finish([node_a], timeout=300)[0]
+    code = netns.finish([node_a], timeout=300)[0]
     log_a = (tmp_path / "a.log").read_text()
     assert code == 0, log_a[-5000:]
 
     events = [
-        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    ]
-    events = [
-        e for e in events if e["kind"] == "event" and e["event"] in ("start", "resume", "stop")
+        e
+        for e in read_records(tmp_path / "run")
+        if e["kind"] == "event" and e["event"] in ("start", "resume", "stop")
     ]
     resume = [e for e in events if e["event"] == "resume"]
     assert events[0]["event"] == "start" and events[-1] == events[-1] | {
@@ -325,7 +315,7 @@ def test_a_node_that_joins_an_elastic_job_is_taken_in_at_a_restart(nodes, tmp_pa
     samples.mkdir()
     flags = ["run", "--nnodes", "1:2", "--nproc", "1", "--rdzv-endpoint", f"{addr_a}:29404"]
     job = [TRAIN_JOB, "run", "--epochs", str(EPOCHS_JOINED), "--sample-log", str(samples)]
-    node_a = _on(ns_a, DDPKIT + flags + job, tmp_path, "a.log")
+    node_a = netns.on(ns_a, DDPKIT + flags + job, tmp_path, "a.log")
     # node a trained alone a while, with snapshots every 3 steps
     _wait_while_running(
         lambda: _steps_logged(samples) >= 10,
@@ -334,16 +324,15 @@ def test_a_node_that_joins_an_elastic_job_is_taken_in_at_a_restart(nodes, tmp_pa
         240,
         "10 steps logged by node a alone",
     )
-    node_b = _on(ns_b, DDPKIT + flags + job, tmp_path, "b.log")
-    codes = _finish([node_a, node_b], timeout=300)
+    node_b = netns.on(ns_b, DDPKIT + flags + job, tmp_path, "b.log")
+    codes = netns.finish([node_a, node_b], timeout=300)
     logs = [(tmp_path / f"{n}.log").read_text()[-3000:] for n in "ab"]
     assert codes == [0, 0], logs
 
     events = [
-        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    ]
-    events = [
-        e for e in events if e["kind"] == "event" and e["event"] in ("start", "resume", "stop")
+        e
+        for e in read_records(tmp_path / "run")
+        if e["kind"] == "event" and e["event"] in ("start", "resume", "stop")
     ]
     # The agent stops node a's worker with SIGTERM to form the job again: the Trainer saves that
     # step, and the job of two resumes there.
@@ -386,7 +375,7 @@ ATTACKER = str(ROOT / "tests" / "jobs" / "scripts" / "rdzv_attacker.py")
 def _attack(ns: str, *args: str) -> str:
     out = subprocess.run(
         ["ip", "netns", "exec", ns, sys.executable, ATTACKER, *args],
-        env=_env(),
+        env=netns.node_env(),
         capture_output=True,
         text=True,
         timeout=120,
@@ -477,17 +466,17 @@ def test_a_single_node_job_listens_on_loopback_only(nodes, tmp_path):
     def ports_of(launcher: list[str], tag: str) -> tuple[set[tuple[str, int]], str]:
         folder = tmp_path / tag
         folder.mkdir()
-        proc = _on(ns_a, launcher + [PROBE, "wait-for", str(folder)], tmp_path, f"{tag}.log")
+        proc = netns.on(ns_a, launcher + [PROBE, "wait-for", str(folder)], tmp_path, f"{tag}.log")
         try:
             _wait_for_pids(folder, 2, proc, tmp_path / f"{tag}.log")
             listening = _listening(proc.pid)  # `ip netns exec` became the agent: the same pid
             reach = _attack(ns_b, "reach", addr_a, *[str(port) for _, port in sorted(listening)])
             (folder / "go").touch()
-            assert _finish([proc], timeout=120) == [0], (tmp_path / f"{tag}.log").read_text()[
+            assert netns.finish([proc], timeout=120) == [0], (tmp_path / f"{tag}.log").read_text()[
                 -3000:
             ]
         finally:
-            _finish([proc], timeout=0)
+            netns.finish([proc], timeout=0)
         return listening, reach
 
     listening, reach = ports_of(DDPKIT + ["run", "--nproc", "2"], "ddpkit")
@@ -529,7 +518,7 @@ def test_a_multi_node_rendezvous_admits_only_holders_of_the_secret(nodes, tmp_pa
         "job",
     ]
     job = [PROBE, "wait-for", str(folder)]
-    node_a = _on(ns_a, DDPKIT + flags + job, tmp_path, "a.log")
+    node_a = netns.on(ns_a, DDPKIT + flags + job, tmp_path, "a.log")
     node_b = None
     try:
         assert (
@@ -556,7 +545,7 @@ def test_a_multi_node_rendezvous_admits_only_holders_of_the_secret(nodes, tmp_pa
             ns_b, "forge", addr_a, "29405", "torch.rendezvous.job", str(marker)
         ).startswith("refused")
         # A node with another secret: one clear error, before any worker.
-        wrong = _env() | {"DDPKIT_RDZV_SECRET": "f" * 64}
+        wrong = netns.node_env() | {"DDPKIT_RDZV_SECRET": "f" * 64}
         out = subprocess.run(
             ["ip", "netns", "exec", ns_b, *DDPKIT, *flags, *job],
             env=wrong,
@@ -569,7 +558,7 @@ def test_a_multi_node_rendezvous_admits_only_holders_of_the_secret(nodes, tmp_pa
         assert f"the rendezvous at {addr_a}:29405 did not admit this node" in out.stderr
         assert "Traceback" not in out.stderr
         # The node that holds the secret joins; both workers start.
-        node_b = _on(ns_b, DDPKIT + flags + job, tmp_path, "b.log")
+        node_b = netns.on(ns_b, DDPKIT + flags + job, tmp_path, "b.log")
         _wait_for_pids(folder, 2, node_a, tmp_path / "a.log")
         # A process on node a itself (another user of that machine) reaches the store on loopback
         # and writes a pickle where the rendezvous state is: the first agent to read it (either
@@ -595,10 +584,10 @@ def test_a_multi_node_rendezvous_admits_only_holders_of_the_secret(nodes, tmp_pa
             "the forged state to be ignored",
         )
         (folder / "go").touch()
-        codes = _finish([node_a, node_b], timeout=120)
+        codes = netns.finish([node_a, node_b], timeout=120)
     finally:
         (folder / "go").touch()
-        _finish([p for p in (node_a, node_b) if p is not None], timeout=0)
+        netns.finish([p for p in (node_a, node_b) if p is not None], timeout=0)
     logs = {n: (tmp_path / f"{n}.log").read_text() for n in "ab"}
     assert codes == [0, 0], logs
     # the launcher kept the secret from the workers
@@ -627,7 +616,7 @@ def test_a_multi_node_rendezvous_admits_only_holders_of_the_secret(nodes, tmp_pa
         "--rdzv-conf",
         "is_host=1",
     ]  # torchrun cannot tell on its own that it hosts an address of a namespace
-    proc = _on(ns_a, torchrun + job[:-1] + [str(folder)], tmp_path, "torchrun.log")
+    proc = netns.on(ns_a, torchrun + job[:-1] + [str(folder)], tmp_path, "torchrun.log")
     try:
         _wait_for_pids(folder, 1, proc, tmp_path / "torchrun.log")
         marker = tmp_path / "pwned-torchrun"
@@ -641,4 +630,4 @@ def test_a_multi_node_rendezvous_admits_only_holders_of_the_secret(nodes, tmp_pa
         )
     finally:
         (folder / "go").touch()
-        _finish([proc], timeout=0)
+        netns.finish([proc], timeout=0)

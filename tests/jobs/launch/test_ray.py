@@ -25,9 +25,10 @@ from pathlib import Path
 import pytest
 
 from ddpkit.snapshot._folders import MARKER
-from ddpkit.testing import wait_until
+from ddpkit.testing import read_records, wait_until
 from tests.jobs.launch import netns
 from tests.jobs.launch.netns import ROOT
+from tests.trainer_checks import same_bits
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -42,7 +43,7 @@ SOON = 0.01
 
 
 def _ray_env(ns: str) -> dict[str, str]:
-    env = netns.clean_env() | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": TOKEN}
+    env = netns.node_env(secret=False) | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": TOKEN}
     # gloo takes a node's address from its host name, which resolves to loopback here: its veth,
     # named.
     env["GLOO_SOCKET_IFNAME"] = ns[: -len("-a")] + ("-va" if ns.endswith("-a") else "-vb")
@@ -213,15 +214,11 @@ def test_a_worker_killed_resumes_to_the_bits_of_the_uninterrupted_run(
     assert done.returncode == 0, done.stdout[-5000:]
     # Ray restarted both
     assert {(f["rank"], f["restart_count"]) for f in facts} == {(0, 0), (1, 0), (0, 1), (1, 1)}
-    resumes = [
-        json.loads(line)
-        for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
-    ]
-    resumes = [r for r in resumes if r.get("event") == "resume"]
+    resumes = [r for r in read_records(tmp_path / "killed") if r.get("event") == "resume"]
     assert len(resumes) == 1 and resumes[0]["step"] >= 10 and resumes[0]["restart_count"] == 1, (
         resumes
     )
-    assert netns.same(weights(tmp_path / "killed"), uninterrupted[0])
+    assert same_bits(weights(tmp_path / "killed"), uninterrupted[0])
 
 
 def test_a_worker_node_lost_and_back_resumes_to_the_same_bits(cluster, uninterrupted, tmp_path):
@@ -237,12 +234,11 @@ def test_a_worker_node_lost_and_back_resumes_to_the_same_bits(cluster, uninterru
     done, facts = run(cluster, tmp_path, "node-lost", during=lose_node_b)
     assert done.returncode == 0, done.stdout[-5000:]
     assert max(f["restart_count"] for f in facts) >= 1
-    assert netns.same(weights(tmp_path / "node-lost"), uninterrupted[0])
+    assert same_bits(weights(tmp_path / "node-lost"), uninterrupted[0])
 
 
 def _events(run_dir: Path) -> list[dict]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in records if "event" in r]
+    return [r for r in read_records(run_dir) if "event" in r]
 
 
 def _snapshot_whole(run_dir: Path, step: int) -> bool:
@@ -305,4 +301,4 @@ def test_a_node_drained_for_preemption_gets_a_snapshot_at_once_then_resumes_to_t
     assert len(resumes) == 1 and resumes[0]["step"] >= 20 and resumes[0]["restart_count"] == 1, (
         resumes
     )
-    assert netns.same(weights(run_dir), uninterrupted[0])
+    assert same_bits(weights(run_dir), uninterrupted[0])

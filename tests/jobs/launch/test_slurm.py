@@ -6,7 +6,6 @@ and resumed to the weights of an uninterrupted run.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -19,7 +18,8 @@ import pytest
 import torch
 
 from ddpkit._launch.cli.sbatch import BatchConfig, batch_script, submit
-from ddpkit.testing import wait_until
+from ddpkit.testing import read_records, wait_until
+from tests.jobs.conftest import clean_environ
 from tests.trainer_checks import newest_snapshot
 
 pytestmark = pytest.mark.slow
@@ -44,28 +44,7 @@ def slurm() -> dict[str, str]:
     up = subprocess.run(["bash", str(SCRIPT), "up"], capture_output=True, text=True, timeout=900)
     assert up.returncode == 0, up.stderr
     conf = re.search(r"export SLURM_CONF=(\S+)", up.stdout).group(1)
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("SLURM_", "TORCHELASTIC_", "PMI_", "OMPI_"))
-    }
-    for name in (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    ):
-        env.pop(name, None)
-    env.update(
-        SLURM_CONF=conf,
-        PYTHONPATH=str(ROOT / "src"),
-        PYTHONUNBUFFERED="1",
-        OMP_NUM_THREADS="1",
-        MKL_NUM_THREADS="1",
-        CUDA_VISIBLE_DEVICES="",
-    )
+    env = clean_environ(threads=1) | {"SLURM_CONF": conf, "PYTHONUNBUFFERED": "1"}
     yield env
     if not was_up:
         subprocess.run(["bash", str(SCRIPT), "down"], timeout=120)
@@ -330,12 +309,7 @@ def _digits_job(tmp_path: Path, name: str, env: dict[str, str]) -> tuple[str, Pa
 
 
 def _snapshot_steps(run_dir: Path) -> int:
-    events = (
-        (run_dir / "metrics.jsonl").read_text().splitlines()
-        if (run_dir / "metrics.jsonl").exists()
-        else []
-    )
-    return sum('"event": "snapshot"' in line for line in events)
+    return sum(r.get("event") == "snapshot" for r in read_records(run_dir))
 
 
 def _final(run_dir: Path) -> dict:
@@ -378,10 +352,9 @@ def test_digits_preempted_resumes_to_the_uninterrupted_weights(slurm, tmp_path, 
     info = wait_for(job, slurm, {"COMPLETED"}, timeout=400, Restarts="1")
     text = (tmp_path / f"preempted-{job}.out").read_text()
     assert info["ExitCode"] == "0:0", text[-3000:]
-    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     events = [
         (e["event"], e["step"], e.get("reason"), e.get("restart_count"))
-        for e in events
+        for e in read_records(run_dir)
         if e["kind"] == "event" and e["event"] not in ("snapshot", "best")
     ]
     # Stopped by the signal mid-run, resumed from that step by the requeued job (SLURM_RESTART_COUNT

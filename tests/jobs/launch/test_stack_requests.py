@@ -23,7 +23,8 @@ import pytest
 
 from ddpkit._launch.agent import jobdir
 from ddpkit.distributed import _channels as channels
-from ddpkit.testing import start_job, wait_until, without_launch_env
+from ddpkit.testing import start_job, wait_until
+from tests.jobs.conftest import memory_environ
 
 pytestmark = [
     pytest.mark.heavy,
@@ -162,10 +163,9 @@ entry()
 
 
 @pytest.fixture
-def env(tmp_path) -> dict[str, str]:
-    (tmp_path / "shm").mkdir()
-    env = without_launch_env({k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"})
-    return env | {"PYTHONUNBUFFERED": "1", jobdir.ROOT_ENV: str(tmp_path / "shm")}
+def env(user_env, tmp_path) -> dict[str, str]:
+    """A user's environment, the job folders under ``tmp_path/shm``."""
+    return memory_environ(user_env, tmp_path)
 
 
 def _start(

@@ -8,7 +8,6 @@ covers it.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
@@ -26,26 +25,13 @@ FLOOR = "3"
 COLLECTIVE_TIMEOUT = 10.0
 # A job with the watch on (and a 60 s collective timeout) ends within this bound.
 ENDED_WITHIN = 20.0
-_LAUNCH_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "OMP_NUM_THREADS",
-)
 
 
 @pytest.fixture
-def env() -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in _LAUNCH_VARS and not k.startswith(("TORCHELASTIC", "SLURM"))
-    }
-    env.pop("DDPKIT_STALL_TIMEOUT", None)
-    return env | {"PYTHONUNBUFFERED": "1"}
+def env(user_env) -> dict[str, str]:
+    """A user's environment without a stall timeout of the shell's: each test sets its own."""
+    user_env.pop("DDPKIT_STALL_TIMEOUT", None)
+    return user_env
 
 
 def _named_then_ended(out, state: str, doing: str) -> None:

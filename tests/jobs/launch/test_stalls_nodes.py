@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.jobs.launch import netns
-from tests.jobs.launch.netns import DDPKIT, SECRET
+from tests.jobs.launch.netns import DDPKIT
 from tests.jobs.launch.stall_jobs import STALL_JOB
 
 pytestmark = pytest.mark.slow
@@ -65,7 +65,7 @@ def _run(
 ) -> tuple[Node, Node, float]:
     """The stall job in ``mode`` on both nodes; (the node of rank 1, the other, when rank 1
     stalled)."""
-    env = netns.clean_env() | {"DDPKIT_RDZV_SECRET": SECRET}
+    env = netns.node_env()
     (_, addr_a), _ = nodes
     argv = [
         *DDPKIT,

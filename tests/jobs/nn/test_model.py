@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import random
-from datetime import timedelta
 
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddpkit
 from ddpkit.distributed._seeding import rng_state, set_rng_state
 from ddpkit.nn._batchnorm import CPUSyncBatchNorm, convert_sync_batchnorm
+from ddpkit.testing import run_on_ranks
 
 # ---------------------------------------------------------------------------------------- the model
 
@@ -95,7 +95,7 @@ def _prepare_worker() -> dict:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_prepare_model_makes_every_rank_start_from_rank0(world):
-    results = ddpkit.spawn(_prepare_worker, world)
+    results = run_on_ranks(_prepare_worker, world)
     # Control: before wrapping, the ranks' models differ (parameters and buffers).
     for key in ("conv.weight", "fc2.bias", "scale", "bn2d.running_mean"):
         assert len({out["before"][key] for out in results}) == world, key
@@ -124,16 +124,16 @@ def _accumulate(skip_first_sync: bool, compiled: bool = False) -> list[float]:
 
 
 def test_no_sync_skips_the_all_reduce_until_the_steps_last_micro_batch():
-    skipped = ddpkit.spawn(functools.partial(_accumulate, True), 2)
+    skipped = run_on_ranks(functools.partial(_accumulate, True), 2)
     assert skipped[0][0] != skipped[1][0]  # each rank's own gradient: no all-reduce yet
     # both micro-batches, averaged
     assert skipped[0][1] == skipped[1][1] == pytest.approx(2 * (2 * 3 * (1 + 2) / 2))
     # Control: without it the first backward is all-reduced too (the same gradient on both ranks at
     # once).
-    synced = ddpkit.spawn(functools.partial(_accumulate, False), 2)
+    synced = run_on_ranks(functools.partial(_accumulate, False), 2)
     assert synced[0][0] == synced[1][0]
     # Given the model as torch.compile wraps it, it finds DDP inside.
-    through = ddpkit.spawn(functools.partial(_accumulate, True, True), 2)
+    through = run_on_ranks(functools.partial(_accumulate, True, True), 2)
     assert through[0][0] != through[1][0]
     # In a world of one (no DDP) there is nothing to skip, and the loop runs as it is.
     model = nn.Linear(3, 1)
@@ -165,7 +165,7 @@ def train(model: nn.Module, batches, part: slice) -> None:
 
 
 def _sync_bn_worker(sync: bool, steps: int, size: int) -> dict:
-    rt = ddpkit.init(timeout=timedelta(seconds=30))
+    rt = ddpkit.get_runtime()  # run_on_ranks: collectives wait 30 s at most
     model = ddpkit.prepare_model(fixed_net(), sync_batchnorm=sync)
     per_rank = size // rt.world_size
     train(model, global_batches(steps, size), slice(rt.rank * per_rank, (rt.rank + 1) * per_rank))
@@ -206,7 +206,7 @@ def test_sync_batchnorm_matches_one_process_on_the_global_batch(world):
     steps, size = 3, 12
     reference = _reference(steps, size)
     expected = reference.state_dict()
-    results = ddpkit.spawn(_sync_bn_worker, world, (True, steps, size))
+    results = run_on_ranks(_sync_bn_worker, world, (True, steps, size))
     for out in results:
         assert out["types"] == ("CPUSyncBatchNorm", "CPUSyncBatchNorm")
         assert out["momentum"] is None
@@ -224,7 +224,7 @@ def test_plain_batchnorm_under_ddp_does_not_match_one_process():
     # Control for the test above: without sync, each rank normalises its own slice.
     steps, size = 3, 12
     expected = _reference(steps, size).state_dict()
-    results = ddpkit.spawn(_sync_bn_worker, 2, (False, steps, size))
+    results = run_on_ranks(_sync_bn_worker, 2, (False, steps, size))
     assert results[0]["types"] == ("BatchNorm2d", "BatchNorm1d")
     assert _max_rel_diff(results[0]["state"], expected) > 1e-3
     running = {k: v for k, v in results[0]["state"].items() if "running" in k}
@@ -235,7 +235,7 @@ def _far_from_zero_worker() -> tuple[float, float]:
     """Rank r's half of 64 float64 samples of mean 1000 and spread 1 through a synced BatchNorm,
     against torch's BatchNorm over all of them: the largest output difference and the largest
     input gradient difference (relative)."""
-    rt = ddpkit.init(timeout=timedelta(seconds=30))
+    rt = ddpkit.get_runtime()  # run_on_ranks: collectives wait 30 s at most
     g = torch.Generator().manual_seed(0)
     x = 1000 + torch.randn(64, 8, generator=g, dtype=torch.float64)
     weights = torch.arange(8, dtype=torch.float64)
@@ -256,7 +256,7 @@ def _far_from_zero_worker() -> tuple[float, float]:
 def test_sync_batchnorm_keeps_float64s_digits_far_from_zero():
     # E[x^2] - E[x]^2 loses the digits of mean^2 / var (1e6 here): in float64 inputs' own precision
     # there are none to spare. Seen: 6e-13 and 5e-9 (with that formula: 4e-10 and 9e-6).
-    for out, grad in ddpkit.spawn(_far_from_zero_worker, 2):
+    for out, grad in run_on_ranks(_far_from_zero_worker, 2):
         assert out < 1e-11 and grad < 1e-7, (out, grad)
 
 
@@ -296,7 +296,7 @@ def _seed_worker() -> dict:
 
 
 def test_seed_everything_same_or_per_rank():
-    results = ddpkit.spawn(_seed_worker, 2)
+    results = run_on_ranks(_seed_worker, 2)
     assert [out["seeds"] for out in results] == [(7, 7), (7, 8)]
     assert results[0]["shared"] == results[1]["shared"]
     assert results[0]["own"] != results[1]["own"]

@@ -38,6 +38,7 @@ import ddpkit
 import ddpkit._fs
 import ddpkit.tracking._metrics
 from ddpkit import LoggingConfig, SnapshotConfig, Trainer, TrainerConfig
+from ddpkit.testing import Job, run_job
 
 N, FEATURES, GLOBAL_BATCH, EPOCHS = 100, 8, 24, 7  # 5 steps an epoch, the last of 4 samples
 BOUNDARIES = (
@@ -292,6 +293,32 @@ def main() -> None:
     got["attempt"] = plan.attempt
     torch.save(got, f"{a.out}.rank{rt.rank}")
     ddpkit.shutdown()
+
+
+def under_launcher(
+    tmp: Path, env: dict[str, str], name: str, variant: str, kills: str = "", *control: str
+) -> Job:
+    """This job's ``variant`` under ``ddpkit run`` in ``tmp`` with a restart for each of ``kills``,
+    to its end: run directory ``tmp/name``, each rank's final state in ``tmp/name.out.rank<r>``;
+    its :class:`~ddpkit.testing.Job`."""
+    records = tmp / "records.jsonl"
+    if variant == "stream" and not records.exists():
+        write_records(records)
+    args = [str(tmp / name), str(tmp / f"{name}.out"), "--variant", variant, "--kills", kills]
+    args += ["--records", str(records), *(("--control", *control) if control else ())]
+    restarts = ("--max-restarts", str(len(kills.split(",")) if kills else 0))
+    done = run_job(
+        __file__, *args, launcher_args=restarts, env=env, cwd=tmp, timeout=600, run_dir=tmp / name
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return done
+
+
+def finals(job: Job) -> list[dict]:
+    """Each rank's final state, of a job of :func:`under_launcher`."""
+    assert job.run_dir is not None
+    out = f"{job.run_dir}.out"
+    return [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(2)]
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ forward a loop of matmuls.
 
 from __future__ import annotations
 
-import json
 import time
 
 import torch
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ddpkit
+from ddpkit.testing import read_records
 from ddpkit.training._config import LoggingConfig, SnapshotConfig, TrainerConfig
 from ddpkit.training._trainer import Trainer
 
@@ -112,6 +112,4 @@ def train(
     trainer.fit()
     if not trainer.runtime.is_main:
         return []
-    return [
-        json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()
-    ]
+    return read_records(trainer.run_dir)

@@ -9,13 +9,16 @@ by its samples: the control.
 
 from __future__ import annotations
 
-import json
+import functools
+import os
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import ddpkit
+from ddpkit.testing import read_records, run_on_ranks
 from ddpkit.training._config import LoggingConfig, SnapshotConfig, TrainerConfig
 from ddpkit.training._trainer import Trainer
 
@@ -107,12 +110,8 @@ def train(
     weights = {k: v.detach().clone() for k, v in trainer.strategy.model_weights().items()}
     # momentum buffers, gathered under every strategy
     optim = trainer.strategy.full_state_dict()["optim"]
-    records = (
-        (trainer.run_dir / "metrics.jsonl").read_text().splitlines()
-        if trainer.runtime.is_main
-        else []
-    )
-    first = next((json.loads(r) for r in records if json.loads(r)["kind"] == "train"), {})
+    records = read_records(trainer.run_dir) if trainer.runtime.is_main else []
+    first = next((r for r in records if r["kind"] == "train"), {})
     graphs = 0
     # proof that the training forward ran compiled: the frames Dynamo compiled in this process
     if compile:
@@ -127,6 +126,13 @@ def train(
         "first_loss": first.get("train/loss"),
         **metrics,
     }
+
+
+def train_on_ranks(world: int, run_dir: str | os.PathLike[str], **kwargs: Any) -> dict:
+    """:func:`train` on ``world`` ranks of :func:`ddpkit.testing.run_on_ranks`, its collectives
+    waiting as long as under ``ddpkit run`` (5 minutes); rank 0's result."""
+    job = functools.partial(train, str(run_dir), **kwargs)
+    return run_on_ranks(job, world, collective_timeout=300, timeout=1800)[0]
 
 
 def first_batch_token_mean(global_batch: int = 8) -> float:

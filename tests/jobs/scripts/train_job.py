@@ -1,21 +1,23 @@
 """The job the resume tests train: an MLP with BatchNorm and dropout, Adam, a per-step LR schedule.
 
-Runs under ``ddpkit run`` (``python train_job.py RUN_DIR [options]``) or inside ``ddpkit.spawn`` via
-:func:`train`. Test hooks live here, not in ddpkit: killing this process at a step or inside a
-snapshot write (after damaging the newest snapshot, if asked), filling the disk, logging every
-sample it trains on, and the controls: leaving a part of the snapshot out on restore, or saving each
-rank's own values as one copy per key. With ``out``, rank 0 writes its final state there and every
-rank ``r`` its own to ``out.rank<r>``.
+Runs under ``ddpkit run`` (``python train_job.py RUN_DIR [options]``) or on ranks of the test's
+process (:func:`train_on_ranks`). Test hooks live here, not in ddpkit: killing this process at a
+step or inside a snapshot write (after damaging the newest snapshot, if asked), filling the disk,
+logging every sample it trains on, and the controls: leaving a part of the snapshot out on restore,
+or saving each rank's own values as one copy per key. With ``out``, rank 0 writes its final state
+there and every rank ``r`` its own to ``out.rank<r>``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
 import signal
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,6 +30,7 @@ import ddpkit.training._trainer
 from ddpkit.distributed._seeding import rng_state, set_rng_state
 from ddpkit.strategies import strategy_config
 from ddpkit.strategies._base import join_own
+from ddpkit.testing import Job, run_job, run_on_ranks
 from ddpkit.training._config import (
     EarlyStoppingConfig,
     LoggingConfig,
@@ -402,6 +405,38 @@ def train(
     if out:
         torch.save(rank_state(trainer), f"{out}.rank{rt.rank}")
     return final
+
+
+def train_on_ranks(world: int, run_dir: str | os.PathLike[str], **kwargs: Any) -> dict:
+    """:func:`train` on ``world`` ranks of :func:`ddpkit.testing.run_on_ranks`, its collectives
+    waiting as long as under ``ddpkit run`` (5 minutes); rank 0's final state."""
+    job = functools.partial(train, str(run_dir), **kwargs)
+    return run_on_ranks(job, world, collective_timeout=300, timeout=1800)[0]
+
+
+def under_launcher(
+    tmp: Path,
+    name: str,
+    *args: str,
+    env: dict[str, str] | None,
+    restarts: int = 2,
+    timeout: float = 300,
+    sample_log: str | None = "log",
+) -> tuple[dict, Job]:
+    """This job under ``ddpkit run --nproc 2 --max-restarts RESTARTS``, to its end: run directory
+    ``tmp/name``, the samples each rank trains on logged to ``tmp/name-<sample_log>`` (made now;
+    None: not logged), the final states to ``tmp/name.pt`` and ``tmp/name.pt.rank<r>``, then
+    ``args``. Rank 0's final state and the :class:`~ddpkit.testing.Job`."""
+    logs = []
+    if sample_log is not None:
+        (tmp / f"{name}-{sample_log}").mkdir()
+        logs = ["--sample-log", str(tmp / f"{name}-{sample_log}")]
+    job = run_job(
+        __file__, str(tmp / name), *logs, "--out", str(tmp / f"{name}.pt"), *args, env=env,
+        launcher_args=("--max-restarts", str(restarts)), timeout=timeout, run_dir=tmp / name,
+    )  # fmt: skip
+    assert job.returncode == 0, job.stderr[-3000:]
+    return torch.load(tmp / f"{name}.pt", weights_only=False), job
 
 
 if __name__ == "__main__":

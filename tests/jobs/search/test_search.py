@@ -20,7 +20,7 @@ from torch import nn
 import ddpkit
 from ddpkit._errors import ConfigError
 from ddpkit.search import SearchConfig, choice, search, uniform
-from ddpkit.testing import run_job
+from ddpkit.testing import read_records, run_job, run_on_ranks
 from ddpkit.training._config import LoggingConfig
 from ddpkit.training._trainer import Trainer, TrainerConfig
 from tests.jobs.scripts.search_job import Data
@@ -119,7 +119,7 @@ def _pruning(search_dir: str) -> dict:
 
 
 def test_a_pruned_candidate_stops_at_the_same_epoch_on_every_rank_of_its_group(tmp_path):
-    per_rank = ddpkit.spawn(functools.partial(_pruning, str(tmp_path)), 2)
+    per_rank = run_on_ranks(functools.partial(_pruning, str(tmp_path)), 2)
     states = {t.number: t.state for t in _study(tmp_path).trials}
     assert states == {0: TrialState.COMPLETE, 1: TrialState.COMPLETE, 2: TrialState.PRUNED}
     assert per_rank[0] == per_rank[1]
@@ -151,7 +151,7 @@ def test_the_candidate_reports_each_validation_at_epoch_ends_or_every_n_steps(tm
         (None, 12, [1, 2]),
     ):
         search_dir = tmp_path / f"{every}-{max_steps}"
-        ddpkit.spawn(functools.partial(_reported, str(search_dir), every, max_steps), 2)
+        run_on_ranks(functools.partial(_reported, str(search_dir), every, max_steps), 2)
         (trial,) = _study(search_dir).trials
         assert trial.state == TrialState.COMPLETE and sorted(trial.intermediate_values) == steps
 
@@ -171,7 +171,7 @@ def _failing(search_dir: str) -> None:
 
 @pytest.mark.torch_at_least(2, 7, "snapshots of a group of ranks without the job's rank 0")
 def test_a_failing_candidate_fails_its_trial_only(tmp_path):
-    ddpkit.spawn(functools.partial(_failing, str(tmp_path)), 2)
+    run_on_ranks(functools.partial(_failing, str(tmp_path)), 2)
     trials = {t.number: t for t in _study(tmp_path).trials}
     assert len(trials) == 4
     assert [trials[n].state for n in range(4)] == [
@@ -203,7 +203,7 @@ def _budget(search_dir: str, group_size: int) -> list[int]:
 
 @pytest.mark.torch_at_least(2, 7, "snapshots of a group of ranks without the job's rank 0")
 def test_groups_run_candidates_concurrently_and_the_budget_is_exact(tmp_path):
-    numbers = ddpkit.spawn(functools.partial(_budget, str(tmp_path), 1), 2)
+    numbers = run_on_ranks(functools.partial(_budget, str(tmp_path), 1), 2)
     study = _study(tmp_path)
     assert len(study.trials) == 5 and all(t.state == TrialState.COMPLETE for t in study.trials)
     assert sorted(numbers[0] + numbers[1]) == [0, 1, 2, 3, 4]  # every trial run once, by one group
@@ -258,7 +258,7 @@ def _bad(what: str, tmp: str) -> str:
     ],
 )
 def test_bad_input_is_a_clear_error_on_every_rank(tmp_path, what, expected):
-    messages = ddpkit.spawn(
+    messages = run_on_ranks(
         functools.partial(_bad, what, str(tmp_path)), 3 if what == "group_size" else 2
     )
     assert all(expected in m for m in messages), messages
@@ -283,12 +283,12 @@ def test_trial_folders_no_trial_of_the_study_owns_are_refused(tmp_path):
     old.mkdir(parents=True)
     (old / "metrics.jsonl").write_text('{"event": "start"}\n')
     (search_dir / "trial-0007").mkdir()  # empty: nothing to resume from, not named
-    [message] = ddpkit.spawn(functools.partial(_search_once, str(search_dir)), 1)
+    [message] = run_on_ranks(functools.partial(_search_once, str(search_dir)), 1)
     assert "trial-0000" in message and "trial-0007" not in message, message
     assert "another search_dir" in message and "move those folders" in message
     assert [p.name for p in old.iterdir()] == ["metrics.jsonl"]
     old.rename(tmp_path / "aside")
-    assert ddpkit.spawn(functools.partial(_search_once, str(search_dir)), 1) == ["accepted"]
+    assert run_on_ranks(functools.partial(_search_once, str(search_dir)), 1) == ["accepted"]
 
 
 @pytest.mark.slow
@@ -341,8 +341,7 @@ def test_a_sigkill_during_a_search_is_survived(tmp_path, clean_env, seeding):
 
 
 def _first_start(run_dir: Path) -> dict:
-    events = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-    return next(e for e in events if e.get("event") == "start")
+    return next(e for e in read_records(run_dir) if e.get("event") == "start")
 
 
 @pytest.mark.slow

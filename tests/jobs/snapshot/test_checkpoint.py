@@ -17,6 +17,7 @@ from ddpkit.snapshot._disk import (
     DiskStore,
     SnapshotWriteError,
 )
+from ddpkit.testing import run_on_ranks
 from tests.tmpfs import fill, small_tmpfs
 
 
@@ -99,7 +100,7 @@ def _fill_and_save(fs: str) -> list[str]:
 
 def test_a_full_disk_stops_every_rank_with_the_same_message(tmp_path):
     with small_tmpfs(tmp_path / "fs", "2m") as fs:
-        ranks = ddpkit.spawn(functools.partial(_fill_and_save, str(fs)), 2)
+        ranks = run_on_ranks(functools.partial(_fill_and_save, str(fs)), 2)
     for sync_or_async in range(2):
         messages = {rank: ranks[rank][sync_or_async] for rank in range(2)}
         print(messages[0])

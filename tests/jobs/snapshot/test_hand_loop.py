@@ -6,39 +6,14 @@ position ends elsewhere, caught by the same comparison."""
 
 from __future__ import annotations
 
-import os
 import random
-import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from ddpkit._launch.agent import jobdir
-from ddpkit.testing import run_job
-from tests.jobs.scripts.hand_loop_job import EPOCHS, GLOBAL_BATCH, N_SAMPLES
-
-JOB = str(Path(__file__).parents[1] / "scripts" / "hand_loop_job.py")
-STEPS = EPOCHS * N_SAMPLES // GLOBAL_BATCH  # 20: 4 an epoch; snapshots every 3 steps
-SEED = int(os.environ.get("DDPKIT_KILL_SEED", time.time_ns() % 100_000))
-
-
-def launch(
-    tmp: Path,
-    name: str,
-    *args: str,
-    nproc: int = 2,
-    env: dict,
-    run: str | None = None,
-    launcher: tuple[str, ...] = (),
-) -> list[dict]:
-    """Run the job (one restart allowed, and ``launcher``'s options) on ``nproc`` ranks; each
-    rank's result."""
-    job = [str(tmp / (run or name)), "--out", str(tmp / name), *args]
-    restart = ["--max-restarts", "1", *launcher]
-    proc = run_job(JOB, *job, nproc=nproc, launcher_args=restart, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [torch.load(tmp / f"{name}-rank{r}.pt", weights_only=False) for r in range(nproc)]
+from tests.jobs.snapshot.memory_jobs import HAND_STEPS as STEPS
+from tests.jobs.snapshot.memory_jobs import SEED, hand_run
+from tests.trainer_checks import same_bits
 
 
 def newest_snapshot(kill_step: int) -> int:
@@ -47,11 +22,6 @@ def newest_snapshot(kill_step: int) -> int:
     none."""
     saved = [s + (s % 4 == 0) for s in range(3, STEPS + 1, 3)]
     return max([s for s in saved if s <= kill_step], default=0)
-
-
-def same_bits(a: dict, b: dict) -> bool:
-    parts = ("model", "optim")
-    return all(torch.equal(x, y) for p in parts for x, y in zip(tensors(a[p]), tensors(b[p])))
 
 
 def tensors(value) -> list[torch.Tensor]:
@@ -78,11 +48,13 @@ def relative_difference(a: dict, b: dict) -> float:
 @pytest.mark.slow
 # four 2-rank jobs, three of them restarted: about a minute, more under load
 @pytest.mark.timeout(900)
-def test_a_hand_loop_killed_at_a_random_step_ends_bitwise_and_controls_do_not(tmp_path, clean_env):
+def test_a_hand_loop_killed_at_a_random_step_ends_bitwise_and_controls_do_not(
+    tmp_path, clean_env, hand_reference
+):
     rng = random.Random(SEED)
     kill_rank, kill_step = rng.randrange(2), rng.randrange(3, STEPS)  # after the first snapshot
-    reference = launch(tmp_path, "reference", env=clean_env)
-    killed = launch(
+    reference = hand_reference
+    killed = hand_run(
         tmp_path,
         "killed",
         "--kill-rank",
@@ -99,14 +71,16 @@ def test_a_hand_loop_killed_at_a_random_step_ends_bitwise_and_controls_do_not(tm
         assert (
             killed[rank]["batches"] == reference[rank]["batches"][-len(killed[rank]["batches"]) :]
         ), what
-        assert same_bits(killed[rank], reference[rank]), f"{what}: rank {rank} ends elsewhere"
+        assert same_bits(killed[rank], reference[rank], "model", "optim"), (
+            f"{what}: rank {rank} ends elsewhere"
+        )
     print(f"\n{what}: resumed from step {killed[0]['resumed_from']}, every rank bitwise equal")
     # Controls: the same kill (after step 8: the snapshot of step 6 resumed, mid-epoch), the resume
     # leaving a part out. (Without the loader's position the run trains every epoch again.)
     for control in ("streams", "loader"):
-        run = launch(tmp_path, control, "--kill-step", "8", "--control", control, env=clean_env)
+        run = hand_run(tmp_path, control, "--kill-step", "8", "--control", control, env=clean_env)
         assert run[0]["attempt"] == 1 and run[0]["resumed_from"] == 6, control
-        assert not any(same_bits(run[r], reference[r]) for r in range(2)), (
+        assert not any(same_bits(run[r], reference[r], "model", "optim") for r in range(2)), (
             f"leaving out the {control} went unnoticed"
         )
 
@@ -117,10 +91,10 @@ def test_a_hand_loop_stopped_on_2_ranks_resumes_on_3_within_tolerance(tmp_path, 
     # Global BatchNorm statistics and no dropout: at another world size the batches are the same and
     # the random streams reseeded, so what differs is the order of floating-point sums.
     same = ["--sync-bn", "--no-dropout"]
-    reference = launch(tmp_path, "reference", *same, env=clean_env)
-    launch(tmp_path, "first", *same, "--stop-after", "9", env=clean_env, run="moved")
+    reference = hand_run(tmp_path, "reference", *same, env=clean_env)
+    hand_run(tmp_path, "first", *same, "--stop-after", "9", env=clean_env, run="moved")
     # 4 a rank: the same global batch of 12
-    moved = launch(tmp_path, "moved", *same, nproc=3, env=clean_env)
+    moved = hand_run(tmp_path, "moved", *same, nproc=3, env=clean_env)
     assert [r["resumed_from"] for r in moved] == [9, 9, 9]
     # epoch 2, its second batch: the global cursor, not 0
     assert moved[0]["batches"][0] == (2, 1, 10)
@@ -131,21 +105,22 @@ def test_a_hand_loop_stopped_on_2_ranks_resumes_on_3_within_tolerance(tmp_path, 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_hand_loop_with_copies_in_memory_loses_at_most_one_step_to_a_kill(tmp_path, clean_env):
-    (tmp_path / "shm").mkdir()
-    env = clean_env | {jobdir.ROOT_ENV: str(tmp_path / "shm")}
+def test_a_hand_loop_with_copies_in_memory_loses_at_most_one_step_to_a_kill(
+    tmp_path, memory_env, hand_reference
+):
+    env = memory_env
     rng = random.Random(SEED)
     kill_rank, kill_step = rng.randrange(2), rng.randrange(2, STEPS)
-    reference = launch(tmp_path, "reference", env=env)
+    reference = hand_reference
     kill = ["--kill-rank", str(kill_rank), "--kill-step", str(kill_step)]
     # No snapshot on disk: what the restart resumes from is the copy in memory.
-    killed = launch(tmp_path, "memory", "--memory", "--every-steps", "0", *kill, env=env)
+    killed = hand_run(tmp_path, "memory", "--memory", "--every-steps", "0", *kill, env=env)
     what = f"rank {kill_rank} killed after step {kill_step} (DDPKIT_KILL_SEED={SEED})"
     assert all(r["attempt"] == 1 for r in killed), f"{what}: the job was not restarted"
     # Every step's copy, but at an epoch's last batch (the next step's copy holds it, with the
     # epoch's end).
     assert killed[0]["resumed_from"] == kill_step - (kill_step % 4 == 0), what
-    assert all(same_bits(killed[r], reference[r]) for r in range(2)), (
+    assert all(same_bits(killed[r], reference[r], "model", "optim") for r in range(2)), (
         f"{what}: a rank ends elsewhere"
     )
     print(
@@ -153,5 +128,5 @@ def test_a_hand_loop_with_copies_in_memory_loses_at_most_one_step_to_a_kill(tmp_
         "bitwise equal"
     )
     # Control: without the copies in memory (and none on disk) the same kill starts over.
-    plain = launch(tmp_path, "no-memory", "--every-steps", "0", *kill, env=env)
+    plain = hand_run(tmp_path, "no-memory", "--every-steps", "0", *kill, env=env)
     assert plain[0]["attempt"] == 1 and plain[0]["resumed_from"] == 0

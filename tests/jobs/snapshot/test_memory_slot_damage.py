@@ -4,48 +4,15 @@ region), then dies of SIGKILL. Every rank skips the damaged state, saying why, a
 slot before it, or from the disk when both of rank 0's slots lie; the run ends bit for bit as an
 uninterrupted one."""
 
-# ruff: noqa: F811  (job_env and plain_reference: fixtures of the memory tests, imported, then test arguments)
-
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 
-from tests.jobs.snapshot.test_memory_snapshots import (  # noqa: F401
-    check_exact,
-    job_env,
-    plain_reference,
-    resumes,
-    use_reference,
-)
+from tests.jobs.snapshot.memory_jobs import check_exact, run
+from tests.trainer_checks import use_reference
 
-JOB = "tests.jobs.scripts.damaged_memory_job"
-
-
-def run_damaged(
-    tmp: Path, name: str, mode: str, step: int, env: dict, *args: str
-) -> tuple[dict, str]:
-    import torch
-
-    from ddpkit.testing import run_job
-
-    (tmp / f"{name}-log").mkdir()
-    job = (
-        str(tmp / name),
-        "--log",
-        str(tmp / f"{name}-log"),
-        "--out",
-        str(tmp / f"{name}.pt"),
-        *args,
-    )
-    env = env | {"DDPKIT_TEST_DAMAGE": f"{mode}:{step}"}
-    proc = run_job(
-        JOB, *job, launcher_args=("--max-restarts", "2", "-m"), env=env, cwd=tmp, timeout=300
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-3000:]
-    return torch.load(tmp / f"{name}.pt", weights_only=False), out
+# The memory job as a module, its rank 0 damaging its slot of a step before its kill: ddpkit run -m.
+DAMAGED = {"script": "tests.jobs.scripts.damaged_memory_job", "launcher": ("-m",)}
 
 
 @pytest.mark.slow
@@ -58,35 +25,37 @@ def run_damaged(
     ],
 )
 def test_a_lying_slot_is_skipped_and_every_rank_resumes_from_the_one_before_bitwise(
-    tmp_path, job_env, plain_reference, mode, expected
+    tmp_path, memory_env, memory_reference, mode, expected
 ):
-    reference = use_reference(plain_reference, tmp_path)
-    final, out = run_damaged(tmp_path, mode, mode, 12, job_env)
+    reference = use_reference(memory_reference, tmp_path)
+    env = memory_env | {"DDPKIT_TEST_DAMAGE": f"{mode}:12"}
+    final, job = run(tmp_path, mode, env=env, **DAMAGED)
+    out = job.stdout + job.stderr
     assert final["attempt"] == 1, out[-3000:]
     assert "skipping the snapshot in memory at step 12" in out and expected in out, out[-3000:]
     # the file named
     assert "-rank0-" in out.split("skipping the snapshot in memory at step 12")[1].splitlines()[0]
     # Rank 1 holds steps 12 and 11, rank 0 a lying 12 and a whole 11: every rank takes 11.
-    assert final["resumed_from"] == 11 and [r["file"] for r in resumes(tmp_path / mode)] == [
-        "memory"
-    ]
+    assert final["resumed_from"] == 11 and [r["file"] for r in job.events("resume")] == ["memory"]
     check_exact(tmp_path, mode, final, reference, f"a {mode} lie in the newest slot")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_when_every_slot_lies_the_ranks_resume_from_the_disk_bitwise(
-    tmp_path, job_env, plain_reference
+    tmp_path, memory_env, memory_reference
 ):
-    reference = use_reference(plain_reference, tmp_path)
-    final, out = run_damaged(tmp_path, "both", "both", 14, job_env, "--disk-every-steps", "4")
+    reference = use_reference(memory_reference, tmp_path)
+    env = memory_env | {"DDPKIT_TEST_DAMAGE": "both:14"}
+    final, job = run(tmp_path, "both", "--disk-every-steps", "4", env=env, **DAMAGED)
+    out = job.stdout + job.stderr
     assert (
         "skipping the snapshot in memory at step 14" in out
         and "skipping the snapshot in memory at step 13" in out
     )
     # The newest disk snapshot whole at the kill: step 12's, or step 8's if the kill came before
     # 12's marker.
-    (file,) = [r["file"] for r in resumes(tmp_path / "both")]
+    (file,) = [r["file"] for r in job.events("resume")]
     assert (
         final["attempt"] == 1
         and file == f"step-{final['resumed_from']:08d}"

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpkit._launch.agent import jobdir
-from ddpkit.testing import run_job
+from ddpkit.testing import read_records, run_job
+from tests.jobs.conftest import clean_environ, memory_environ
 
 JOB = Path(__file__).resolve().parents[1] / "scripts" / "recover_job.py"
 IN_PLACE = ("--max-restarts", "6", "--recover", "in-place")
@@ -55,10 +55,9 @@ def in_place(stderr: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict:
-    from tests.conftest import _clean_environ
-
-    shm = tmp_path_factory.mktemp("shm")
-    return _clean_environ() | {jobdir.ROOT_ENV: str(shm), "DDPKIT_COLLECTIVE_TIMEOUT": "60"}
+    """The memory environment (a job folder root of the module's), collectives of 60 s."""
+    base = memory_environ(clean_environ(), tmp_path_factory.mktemp("memory"))
+    return base | {"DDPKIT_COLLECTIVE_TIMEOUT": "60"}
 
 
 @pytest.fixture(scope="module")
@@ -171,8 +170,5 @@ def test_a_recovery_before_the_first_copy_keeps_its_record(tmp_path, env):
     # rank 1 dies before its first step: nothing in memory yet, every rank starts again at step 0
     code, err, log = run(tmp_path, "first", "kill-before-init:1:0", env=env, args=("--trainer",))
     assert code == 0, err[-3000:]
-    records = [
-        json.loads(x) for x in (tmp_path / "first-run" / "metrics.jsonl").read_text().splitlines()
-    ]
-    (recover,) = [r for r in records if r.get("event") == "recover"]
+    (recover,) = [r for r in read_records(tmp_path / "first-run") if r.get("event") == "recover"]
     assert recover["replaced"] == [1] and recover["step"] == 0 and recover["source"] == "none"

@@ -7,78 +7,53 @@ process."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from ddpkit._launch.agent import jobdir
-from ddpkit.testing import run_job, wait_until
-from tests.jobs.snapshot import test_memory_snapshots as memory
-from tests.jobs.snapshot.test_hand_loop import JOB as HAND_JOB
-from tests.jobs.snapshot.test_hand_loop import STEPS as HAND_STEPS
-from tests.jobs.snapshot.test_hand_loop import launch as hand_job
-from tests.jobs.snapshot.test_hand_loop import same_bits
-from tests.jobs.snapshot.test_memory_snapshots import (
-    JOB,
+from ddpkit.testing import Job, run_job, wait_until
+from tests.jobs.launch import netns
+from tests.jobs.snapshot.memory_jobs import (
+    HAND_JOB,
+    HAND_STEPS,
     SEED,
     STEPS,
     check_exact,
-    job_args,
+    hand_run,
     lost_steps,
-    use_reference,
+    memory_node_env,
+    node_command,
+    node_loss,
+    pids,
+    run,
+    steps_done,
 )
+from tests.trainer_checks import bitwise_equal, max_abs_diff, same_bits, use_reference
 
-job_env, plain_reference = memory.job_env, memory.plain_reference  # the fixtures
-
-IN_PLACE = ("--recover", "in-place")
-
-
-def run(tmp: Path, name: str, *args: str, env: dict, recover=IN_PLACE, nproc: int = 2):
-    """The memory job under ``ddpkit run`` (three restarts allowed): its final state, output."""
-    launcher = ("--max-restarts", "3", *recover)
-    proc = run_job(
-        JOB, *job_args(tmp, name, *args), nproc=nproc, launcher_args=launcher, env=env, cwd=tmp,
-        timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(tmp / f"{name}.pt", weights_only=False), proc.stdout + proc.stderr
-
-
-def pids(log: Path) -> dict[int, dict[int, int]]:
-    """Global rank -> attempt -> the pid that ran it."""
-    out: dict[int, dict[int, int]] = {}
-    for path in log.glob("pid-rank*-attempt*"):
-        rank, attempt = path.name[len("pid-rank") :].split("-attempt")
-        out.setdefault(int(rank), {})[int(attempt)] = int(path.read_text())
-    return out
-
-
-def recoveries(run_dir: Path) -> list[dict]:
-    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-    return [r for r in records if r.get("event") == "recover"]
+# ddpkit run --max-restarts 3 --recover in-place, and the whole-job restart (the default)
+IN_PLACE = {"restarts": 3, "launcher": ("--recover", "in-place")}
+WHOLE = {"restarts": 3}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_kills_in_one_run_are_recovered_in_place_bitwise_the_others_in_their_processes(
-    tmp_path, job_env, plain_reference
+    tmp_path, memory_env, memory_reference
 ):
     rng = random.Random(SEED)
-    reference = use_reference(plain_reference, tmp_path)
+    reference = use_reference(memory_reference, tmp_path)
     first, again = rng.randrange(2), rng.randrange(2)
     at, then = rng.randrange(2, STEPS // 2), rng.randrange(STEPS // 2 + 1, STEPS - 2)
     what = f"rank {first} after step {at}, rank {again} after step {then} (seed {SEED})"
     kills = ["--kill-rank", str(first), "--kill-after-step", str(at), "--kill-delay", "0.003",
              "--kill-again", str(again), str(then)]  # fmt: skip
-    final, out = run(tmp_path, "twice", *kills, env=job_env)
-    assert final["attempt"] == 2, f"{what}: {out[-2000:]}"
+    final, twice = run(tmp_path, "twice", *kills, env=memory_env, **IN_PLACE)
+    assert final["attempt"] == 2, f"{what}: {(twice.stdout + twice.stderr)[-2000:]}"
     check_exact(tmp_path, "twice", final, reference, what)
     assert [x <= 1 for x in lost_steps(tmp_path / "twice-log", tmp_path / "twice")] == [True] * 2
     ran = pids(tmp_path / "twice-log")
@@ -86,36 +61,34 @@ def test_two_kills_in_one_run_are_recovered_in_place_bitwise_the_others_in_their
         for rank in (0, 1):
             same = ran[rank][attempt] == ran[rank][attempt - 1]
             assert same == (rank != killed), f"{what}: rank {rank} in attempt {attempt}: {ran}"
-    records = recoveries(tmp_path / "twice")
+    records = twice.events("recover")
     assert [(r["recovery"], r["replaced"]) for r in records] == [(1, [first]), (2, [again])], what
     for r in records:
         assert set(r["seconds"]) >= {"leave", "decide", "regroup", "restore", "total"}
         assert all(v >= 0 for v in r["seconds"].values()), r
     # Control: the whole-job restart (the default) gives every rank a new process.
-    final, _ = run(tmp_path, "whole", *kills[:6], env=job_env, recover=())
+    final, whole = run(tmp_path, "whole", *kills[:6], env=memory_env, **WHOLE)
     ran = pids(tmp_path / "whole-log")
     assert final["attempt"] == 1 and all(ran[r][1] != ran[r][0] for r in (0, 1)), ran
-    assert recoveries(tmp_path / "whole") == []
+    assert whole.events("recover") == []
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_four_ranks_a_kill_during_the_states_load_is_recovered_again(tmp_path, job_env):
-    from tests.trainer_checks import bitwise_equal, max_abs_diff
-
+def test_four_ranks_a_kill_during_the_states_load_is_recovered_again(tmp_path, memory_env):
     kill = ["--no-sync-bn", "--kill-rank", "2", "--kill-after-step", "9", "--kill-in-restore", "3"]
-    final, out = run(tmp_path, "load", *kill, env=job_env, nproc=4)
+    final, load = run(tmp_path, "load", *kill, env=memory_env, nproc=4, **IN_PLACE)
     log = tmp_path / "load-log"
-    assert list(log.glob("killed-in-restore-rank3")), out[-2000:]
+    assert list(log.glob("killed-in-restore-rank3")), (load.stdout + load.stderr)[-2000:]
     assert final["attempt"] == 2
-    records = recoveries(tmp_path / "load")
+    records = load.events("recover")
     assert [r["replaced"] for r in records] == [[3]], records  # the first load never finished
     ran = pids(log)
     kept = [r for r in range(4) if len(set(ran[r].values())) == 1]
     assert kept == [0, 1], ran  # ranks 2 and 3 each replaced once
     # at 4 ranks, in place as by the whole-job restart, where the uninterrupted run ends
-    reference, _ = run(tmp_path, "reference", "--no-sync-bn", env=job_env, nproc=4)
-    whole, _ = run(tmp_path, "whole", *kill, env=job_env, nproc=4, recover=())
+    reference, _ = run(tmp_path, "reference", "--no-sync-bn", env=memory_env, nproc=4, **IN_PLACE)
+    whole, _ = run(tmp_path, "whole", *kill, env=memory_env, nproc=4, **WHOLE)
     assert whole["attempt"] == 2
     for got in (final, whole):
         assert bitwise_equal(got, reference), max_abs_diff(got, reference)
@@ -124,60 +97,63 @@ def test_four_ranks_a_kill_during_the_states_load_is_recovered_again(tmp_path, j
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("strategy", ["zero", "fsdp"])
-def test_zero_and_fsdp_recover_a_killed_worker_in_place_bitwise(tmp_path, job_env, strategy):
-    from tests.jobs.strategies.test_strategies_slow import bitwise_equal_full
-
+def test_zero_and_fsdp_recover_a_killed_worker_in_place_bitwise(
+    tmp_path, memory_env, strategy_references, strategy
+):
     job = ["--strategy", strategy, "--no-sync-bn"]
-    reference, _ = run(tmp_path, "reference", *job, env=job_env)
+    reference = use_reference(strategy_references(strategy), tmp_path)
     kill = ["--kill-rank", "0", "--kill-after-step", "13", "--kill-delay", "0.002"]
-    final, _ = run(tmp_path, "killed", *job, *kill, env=job_env)
-    assert final["attempt"] == 1 and bitwise_equal_full(final, reference)
+    final, killed = run(tmp_path, "killed", *job, *kill, env=memory_env, **IN_PLACE)
+    assert final["attempt"] == 1 and same_bits(final["full"], reference["full"], "model", "optim")
     ran = pids(tmp_path / "killed-log")
     assert ran[1][1] == ran[1][0] and ran[0][1] != ran[0][0], ran
-    assert [r["replaced"] for r in recoveries(tmp_path / "killed")] == [[0]]
+    assert [r["replaced"] for r in killed.events("recover")] == [[0]]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_rank_that_raised_runs_again_in_its_process_bitwise(tmp_path, job_env, plain_reference):
-    reference = use_reference(plain_reference, tmp_path)
-    final, out = run(tmp_path, "raised", "--raise-at", "1", "11", env=job_env)
+def test_a_rank_that_raised_runs_again_in_its_process_bitwise(
+    tmp_path, memory_env, memory_reference
+):
+    reference = use_reference(memory_reference, tmp_path)
+    final, raised = run(tmp_path, "raised", "--raise-at", "1", "11", env=memory_env, **IN_PLACE)
+    out = raised.stdout + raised.stderr
     assert "rank 1 left its step (RuntimeError: planned failure in user code on rank 1)" in out, out
     check_exact(tmp_path, "raised", final, reference, "rank 1 raised at step 11")
     ran = pids(tmp_path / "raised-log")
     assert all(ran[r][1] == ran[r][0] for r in (0, 1)), ran  # nobody replaced
-    assert [r["replaced"] for r in recoveries(tmp_path / "raised")] == [[]]
+    assert [r["replaced"] for r in raised.events("recover")] == [[]]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_rank_that_does_not_leave_its_step_in_time_is_shown_killed_and_replaced(
-    tmp_path, job_env, plain_reference
+    tmp_path, memory_env, memory_reference
 ):
-    reference = use_reference(plain_reference, tmp_path)
-    env = job_env | {"DDPKIT_RECOVER_TIMEOUT": "1"}
+    reference = use_reference(memory_reference, tmp_path)
+    env = memory_env | {"DDPKIT_RECOVER_TIMEOUT": "1"}
     # rank 0 pauses 60 s after step 8 (healthy, in no collective) as rank 1 is killed there
     args = ["--sleep-at", "0", "8", "60", "--kill-rank", "1", "--kill-after-step", "8"]
-    final, out = run(tmp_path, "late", *args, env=env)
+    final, late = run(tmp_path, "late", *args, env=env, **IN_PLACE)
+    out = late.stdout + late.stderr
     assert "rank(s) 0 did not leave their step within 1 s of the failure: killed" in out, out
     assert "in on_step_end" in out, out  # where rank 0 was, from its stack
     ran = pids(tmp_path / "late-log")
     assert all(ran[r][1] != ran[r][0] for r in (0, 1)), ran
-    assert [r["replaced"] for r in recoveries(tmp_path / "late")] == [[0, 1]]
+    assert [r["replaced"] for r in late.events("recover")] == [[0, 1]]
     check_exact(tmp_path, "late", final, reference, "a late rank replaced")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_hand_loop_is_recovered_in_place_bitwise(tmp_path, clean_env):
-    (tmp_path / "shm").mkdir()
-    env = clean_env | {jobdir.ROOT_ENV: str(tmp_path / "shm")}
+def test_a_hand_loop_is_recovered_in_place_bitwise(tmp_path, memory_env):
+    env = memory_env
     rng = random.Random(SEED)
     kill_rank, kill_step = rng.randrange(2), rng.randrange(2, HAND_STEPS)
     what = f"rank {kill_rank} killed after step {kill_step} (seed {SEED})"
 
-    def hand(name: str, *args: str, recover=IN_PLACE) -> list[dict]:
-        return hand_job(tmp_path, name, *args, env=env, launcher=recover)
+    def hand(name: str, *args: str, recover=IN_PLACE["launcher"]) -> list[dict]:
+        return hand_run(tmp_path, name, *args, env=env, launcher=recover)
 
     def ran(name: str) -> dict[int, list[int]]:
         return {
@@ -191,7 +167,7 @@ def test_a_hand_loop_is_recovered_in_place_bitwise(tmp_path, clean_env):
     killed = hand("in-place", *kill)
     assert all(r["attempt"] == 1 for r in killed), what
     assert killed[0]["resumed_from"] == kill_step - (kill_step % 4 == 0), what
-    assert all(same_bits(killed[r], reference[r]) for r in (0, 1)), what
+    assert all(same_bits(killed[r], reference[r], "model", "optim") for r in (0, 1)), what
     other = 1 - kill_rank
     pid = ran("in-place")
     assert pid[other][0] == pid[other][1] and pid[kill_rank][0] != pid[kill_rank][1], (what, pid)
@@ -201,7 +177,7 @@ def test_a_hand_loop_is_recovered_in_place_bitwise(tmp_path, clean_env):
     assert pid[other][0] != pid[other][1], pid
     # Without copies in memory the loop is refused before its first step, naming what to pass.
     job = [str(tmp_path / "disk"), "--out", str(tmp_path / "disk")]
-    launcher = ["--max-restarts", "1", *IN_PLACE]
+    launcher = ["--max-restarts", "1", *IN_PLACE["launcher"]]
     proc = run_job(HAND_JOB, *job, launcher_args=launcher, env=env, timeout=300)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "resumes every rank from the copies in memory, and this run keeps none" in proc.stderr
@@ -212,17 +188,9 @@ def test_a_hand_loop_is_recovered_in_place_bitwise(tmp_path, clean_env):
 
 
 def _across(tmp_path: Path, checks, name: str = "") -> None:
-    from tests.jobs.launch import netns
-    from tests.jobs.launch.test_multinode import _env
-
     with netns.two_nodes(name or f"ri{os.getpid() % 100000}") as nodes:
-        (tmp_path / "shm").mkdir()
-        env = _env() | {
-            jobdir.ROOT_ENV: str(tmp_path / "shm"),
-            "PYTHONPATH": f"{memory.ROOT / 'src'}{os.pathsep}{memory.ROOT}",
-        }
         # two nodes of one rank train the weights of one node of two (test_multinode.py)
-        reference, _ = memory.run_job(tmp_path, "reference", env=env)
+        reference, _ = run(tmp_path, "reference", env=memory_node_env(tmp_path))
         checks(nodes, reference)
 
 
@@ -231,20 +199,20 @@ def _across(tmp_path: Path, checks, name: str = "") -> None:
 def test_a_lost_node_is_replaced_in_place_bitwise_the_other_node_in_its_process(tmp_path):
     def checks(nodes, reference) -> None:
         # then the new node's worker is SIGKILLed after step 20: replaced on the new node
-        final, log = memory._node_loss(
-            nodes, tmp_path, "lost", 29433, "--kill-again", "1", "20", launcher=IN_PLACE
+        final, job = node_loss(
+            nodes, tmp_path, "lost", 29433, "--kill-again", "1", "20", launcher=IN_PLACE["launcher"]
         )
-        ran = pids(log)
+        ran = pids(tmp_path / "lost-log")
         assert ran[0][0] == ran[0][1] == ran[0][2] and len(set(ran[1].values())) == 3, ran
-        lost, again = recoveries(tmp_path / "lost")
+        lost, again = job.events("recover")
         print(f"\nnode b lost after step 15, recovered in place: {lost}\nthen: {again}")
         assert lost["replaced"] == [1] and lost["step"] == 14
         assert again["replaced"] == [1] and again["step"] in (19, 20)
         assert set(lost["seconds"]) >= {"leave", "decide", "regroup", "restore", "total"}
         check_exact(tmp_path, "lost", final, reference, "a lost node in place", samples=False)
         # Control: the whole-job restart replaces node a's process too.
-        _, log = memory._node_loss(nodes, tmp_path, "whole", 29434)
-        ran = pids(log)
+        node_loss(nodes, tmp_path, "whole", 29434)
+        ran = pids(tmp_path / "whole-log")
         assert ran[0][0] != ran[0][1], ran
 
     _across(tmp_path, checks)
@@ -255,19 +223,19 @@ def test_a_lost_node_is_replaced_in_place_bitwise_the_other_node_in_its_process(
 def test_a_worker_killed_on_one_node_is_recovered_in_place_across_nodes(tmp_path):
     def checks(nodes, reference) -> None:
         kill = ("--kill-rank", "1", "--kill-after-step", "6", "--kill-delay", "0.003")
-        final, log = memory._node_loss(
-            nodes, tmp_path, "kill", 29435, *kill, launcher=IN_PLACE, lose_node=False
+        final, killed = node_loss(
+            nodes, tmp_path, "kill", 29435, *kill, launcher=IN_PLACE["launcher"], lose_node=False
         )
-        ran = pids(log)
+        ran = pids(tmp_path / "kill-log")
         assert ran[0][0] == ran[0][1] and ran[1][0] != ran[1][1], ran
-        (event,) = recoveries(tmp_path / "kill")
+        (event,) = killed.events("recover")
         print(f"\nrank 1 of node b killed after step 6, recovered in place: {event}")
         assert event["replaced"] == [1] and final["attempt"] == 1
         check_exact(tmp_path, "kill", final, reference, "a worker killed on node b", samples=False)
         # Control: the whole-job restart replaces node a's process too (torch may restart node a
         # for node b rejoining its rendezvous, without counting the restart).
-        _, log = memory._node_loss(nodes, tmp_path, "whole", 29436, *kill, lose_node=False)
-        runs = (log / "pids-rank0.txt").read_text().split()
+        node_loss(nodes, tmp_path, "whole", 29436, *kill, lose_node=False)
+        runs = (tmp_path / "whole-log" / "pids-rank0.txt").read_text().split()
         assert len(runs) == len(set(runs)) == 2, runs
 
     _across(tmp_path, checks)
@@ -276,27 +244,16 @@ def test_a_worker_killed_on_one_node_is_recovered_in_place_across_nodes(tmp_path
 def _two_node_job(nodes, tmp: Path, name: str, port: int, *extra: str):
     """Both nodes' `ddpkit run` of the memory job, in place, holding after step 15 until the test
     says go: (command, node a, node b, the log folder, the go file, the environment)."""
-    from tests.jobs.launch.test_multinode import _env, _on
-
     (ns_a, addr_a), (ns_b, _) = nodes
     log, hold = tmp / f"{name}-log", tmp / f"{name}-go"
-    log.mkdir()
-    env = _env() | {
-        jobdir.ROOT_ENV: str(tmp / "shm"),
-        "PYTHONPATH": f"{memory.ROOT / 'src'}{os.pathsep}{memory.ROOT}",
-    }
-    cmd = [
-        sys.executable, "-m", "ddpkit.cli", "run", "--nnodes", "2", "--nproc", "1",
-        "--max-restarts", "3", *IN_PLACE, *extra, "--rdzv-endpoint", f"{addr_a}:{port}", JOB,
-        str(tmp / name), "--log", str(log), "--out", str(tmp / f"{name}.pt"),
-        "--hold-after-step", "15", "--hold-file", str(hold),
-    ]  # fmt: skip
-    node_a = _on(ns_a, cmd, tmp, f"{name}-a.log", env)
-    node_b = _on(ns_b, cmd, tmp, f"{name}-b.log", env)
+    env = memory_node_env(tmp)
+    cmd = node_command(tmp, name, f"{addr_a}:{port}", (*IN_PLACE["launcher"], *extra))
+    node_a = netns.on(ns_a, cmd, tmp, f"{name}-a.log", env)
+    node_b = netns.on(ns_b, cmd, tmp, f"{name}-b.log", env)
 
     def holding() -> bool:
         assert node_a.poll() is None and node_b.poll() is None, (tmp / f"{name}-a.log").read_text()
-        return memory.steps_done(log, 0) >= 15 and memory.steps_done(log, 1) >= 15
+        return steps_done(log, 0) >= 15 and steps_done(log, 1) >= 15
 
     wait_until(holding, 240, what="both ranks holding after step 15")
     return cmd, node_a, node_b, log, hold, env
@@ -308,8 +265,6 @@ def test_a_node_cut_from_the_network_is_replaced_and_ends_its_own_workers_naming
     """Node b's link goes down (its agent and worker alive, unreachable): node a counts it lost on
     evidence (its beat still, its agent not answering), a new node takes its place, the job ends
     bitwise; node b's agent, its store silent for --node-timeout, ends its worker saying why."""
-    from tests.jobs.launch.test_multinode import _finish, _on
-
     name = f"rc{os.getpid() % 100000}"
 
     def checks(nodes, reference) -> None:
@@ -319,13 +274,13 @@ def test_a_node_cut_from_the_network_is_replaced_and_ends_its_own_workers_naming
         )
         subprocess.run(["ip", "-n", ns_b, "link", "set", f"{name}-vb", "down"], check=True)
         hold.touch()
-        new = _on(ns_a, cmd, tmp_path, "cut-new.log", env)  # the new node, beside node a
-        codes = _finish([node_a, new, node_b], timeout=600)
+        new = netns.on(ns_a, cmd, tmp_path, "cut-new.log", env)  # the new node, beside node a
+        codes = netns.finish([node_a, new, node_b], timeout=600)
         logs = {n: (tmp_path / f"cut-{n}.log").read_text() for n in ("a", "new", "b")}
         assert codes[:2] == [0, 0], [text[-3000:] for text in logs.values()]
         assert "did not answer" in logs["a"] and "lost" in logs["a"], logs["a"][-3000:]
         assert codes[2] != 0 and "does not answer this node" in logs["b"], logs["b"][-3000:]
-        (event,) = recoveries(tmp_path / "cut")
+        (event,) = Job(cmd, codes[0], logs["a"], run_dir=tmp_path / "cut").events("recover")
         assert event["replaced"] == [1]
         final = torch.load(tmp_path / "cut.pt", weights_only=False)
         check_exact(tmp_path, "cut", final, reference, "a node cut off", samples=False)
@@ -338,7 +293,6 @@ def test_a_node_cut_from_the_network_is_replaced_and_ends_its_own_workers_naming
 def test_the_rendezvous_hosts_node_lost_ends_the_other_node_with_its_summary(tmp_path):
     """Node a, which serves the rendezvous, SIGKILLed: node b cannot recover in place (every agent
     meets on that store); its launcher ends with its failure summary and why, not a traceback."""
-    from tests.jobs.launch.test_multinode import _finish
 
     def checks(nodes, reference) -> None:
         _, node_a, node_b, _, hold, _ = _two_node_job(
@@ -347,7 +301,7 @@ def test_the_rendezvous_hosts_node_lost_ends_the_other_node_with_its_summary(tmp
         os.killpg(node_a.pid, signal.SIGKILL)
         node_a.wait()
         hold.touch()
-        (code,) = _finish([node_b], timeout=300)
+        (code,) = netns.finish([node_b], timeout=300)
         out = (tmp_path / "host-b.log").read_text()
         assert code not in (0, None), out[-3000:]
         assert "not recovered in place" in out and "does not answer this node" in out, out[-3000:]

@@ -3,7 +3,6 @@ jobs)."""
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import signal
@@ -12,28 +11,23 @@ from pathlib import Path
 
 import pytest
 
-import ddpkit
-from ddpkit.testing import run_job, start_job, wait_until
-from tests.jobs.scripts.train_job import train
+from ddpkit.testing import run_job, start_job, wait_job, wait_until
+from tests.jobs.scripts.train_job import train_on_ranks
 
 LOCK_JOB = str(Path(__file__).parents[1] / "scripts" / "lock_job.py")
-
-
-def run(world: int, run_dir: Path, **kwargs) -> dict:
-    return ddpkit.spawn(functools.partial(train, str(run_dir), **kwargs), world)[0]
 
 
 def refusal(world: int, run_dir: Path, **kwargs) -> str:
     """The error message of a run that must be refused (the rank's traceback, as spawn reports
     it)."""
     with pytest.raises(Exception) as refused:
-        run(world, run_dir, **kwargs)
+        train_on_ranks(world, run_dir, **kwargs)
     return str(refused.value)
 
 
 def test_a_rerun_with_another_lr_model_or_config_is_refused_naming_what_differs(tmp_path):
     # The reported case: lr 0.1, then lr 0.5 on the same run directory "resumed" the first run.
-    first = run(2, tmp_path / "run", lr=0.1, max_steps=4)
+    first = train_on_ranks(2, tmp_path / "run", lr=0.1, max_steps=4)
     message = refusal(2, tmp_path / "run", lr=0.5)
     assert (
         "ConfigError" in message
@@ -50,19 +44,19 @@ def test_a_rerun_with_another_lr_model_or_config_is_refused_naming_what_differs(
     # Control: the same lr resumes, though the job's StepLR had moved the snapshot's lr away from it
     # (the lr compared is the one asked for), and a resume may change max_steps.
     assert first["optimizer"]["param_groups"][0]["lr"] != 0.1
-    again = run(2, tmp_path / "run", lr=0.1, max_steps=6)
+    again = train_on_ranks(2, tmp_path / "run", lr=0.1, max_steps=6)
     assert again["resumed_from"] == 4 and again["step"] == 6
 
 
 def test_resume_false_starts_afresh_and_moves_the_old_snapshots_aside(tmp_path):
-    run(2, tmp_path / "run", lr=0.1, max_steps=20)
-    fresh = run(2, tmp_path / "run", lr=0.5, max_steps=6, resume=False)
+    train_on_ranks(2, tmp_path / "run", lr=0.1, max_steps=20)
+    fresh = train_on_ranks(2, tmp_path / "run", lr=0.5, max_steps=6, resume=False)
     assert fresh["resumed_from"] is None and fresh["step"] == 6
     aside = [p for p in (tmp_path / "run").iterdir() if p.name.startswith("replaced-")]
     assert len(aside) == 1 and (aside[0] / "snapshots" / "step-00000020" / "complete.json").exists()
     # What is left to resume is this run's: a rerun with lr 0.5 resumes it at step 6, not the old
     # step 20.
-    assert run(2, tmp_path / "run", lr=0.5, max_steps=8)["resumed_from"] == 6
+    assert train_on_ranks(2, tmp_path / "run", lr=0.5, max_steps=8)["resumed_from"] == 6
 
 
 def _start_holder(tmp_path: Path, run_dir: Path, env: dict) -> tuple[subprocess.Popen, dict]:
@@ -91,15 +85,14 @@ def test_a_second_job_on_a_run_dir_in_use_is_refused_and_a_killed_job_leaves_no_
         assert f"is in use by another job (host {who['host']}, pid {who['pid']}" in second.stderr
         assert "trained to step" not in second.stdout
         os.kill(who["pid"], signal.SIGKILL)  # the rank holding the lock dies: it runs no clean-up
-        holder.communicate(timeout=120)  # the agent sees it and stops the other rank
-        assert holder.returncode != 0
+        held = wait_job(holder, 120, run_dir=run_dir)  # the agent sees it and stops the other rank
+        assert held.returncode != 0
     finally:
         if holder.poll() is None:
             os.killpg(holder.pid, signal.SIGKILL)
             holder.wait()
     # Only the holder had written records; the refused job wrote none.
-    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [e["event"] for e in events if e["kind"] == "event"] == ["start"]
+    assert [e["event"] for e in held.events()] == ["start"]
     # The kernel dropped the dead job's lock: the next job takes it at once and trains.
     assert (run_dir / ".lock").exists()
     after = run_job(LOCK_JOB, str(run_dir), env=clean_env, timeout=120)

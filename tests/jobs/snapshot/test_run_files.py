@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-import ddpkit
 from ddpkit.snapshot._disk import MARKER
+from ddpkit.testing import read_records, run_on_ranks
 from tests.jobs.scripts.train_job import train
 
 VICTIM_TEXT = "a file of someone else's, outside the run directory\n"
@@ -40,21 +40,17 @@ def test_a_training_job_with_a_link_in_its_run_dir_is_refused_on_every_rank(tmp_
     run_dir = tmp_path / "run"
     link(run_dir, name, victim.parent if name == "snapshots" else victim)
     with pytest.raises(Exception, match=f"{name}' is a symbolic link"):
-        ddpkit.spawn(functools.partial(train, str(run_dir), max_steps=2, epochs=1), 2)
+        run_on_ranks(functools.partial(train, str(run_dir), max_steps=2, epochs=1), 2)
     assert victim.read_text() == VICTIM_TEXT and os.listdir(victim.parent) == ["victim.txt"]
     # Control: without the link the same job trains and writes its files in the run directory.
     (run_dir / name).unlink()
     assert (
-        ddpkit.spawn(functools.partial(train, str(run_dir), max_steps=2, epochs=1), 2)[0]["step"]
+        run_on_ranks(functools.partial(train, str(run_dir), max_steps=2, epochs=1), 2)[0]["step"]
         == 2
     )
     assert (run_dir / "metrics.jsonl").is_file() and (
         run_dir / "snapshots" / "step-00000002"
     ).is_dir()
-
-
-def _records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow
@@ -65,9 +61,9 @@ def test_resume_false_moves_the_previous_runs_records_aside_with_its_snapshots(t
     job = functools.partial(
         train, str(run_dir), n_samples=48, epochs=1, early_stopping_patience=5, log_every_steps=1
     )
-    ddpkit.spawn(job, 1)
-    first = _records(run_dir)
-    ddpkit.spawn(functools.partial(job, lr=0.5, resume=False), 1)
+    run_on_ranks(job, 1)
+    first = read_records(run_dir)
+    run_on_ranks(functools.partial(job, lr=0.5, resume=False), 1)
     out = capfd.readouterr().out
     (aside,) = [p for p in run_dir.iterdir() if p.name.startswith("replaced-")]
     moved = (
@@ -80,12 +76,12 @@ def test_resume_false_moves_the_previous_runs_records_aside_with_its_snapshots(t
     )
     # The new run's records start afresh: one start, each step once; the old ones are whole in the
     # aside folder.
-    records = _records(run_dir)
+    records = read_records(run_dir)
     assert [
         r["event"] for r in records if r["kind"] == "event" and r["event"] in ("start", "resume")
     ] == ["start"]
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
-    assert _records(aside) == first
+    assert read_records(aside) == first
     # header and this run's one epoch
     assert len((run_dir / "epochs.csv").read_text().splitlines()) == 2
     assert len((aside / "epochs.csv").read_text().splitlines()) == 2

@@ -22,6 +22,8 @@ from ddpkit.snapshot._disk import DiskStore
 from ddpkit.strategies import build_strategy
 from ddpkit.strategies._base import join_own
 from ddpkit.strategies._fsdp import FSDP_ON_CPU
+from ddpkit.testing import run_on_ranks
+from tests.trainer_checks import differences
 
 # fsdp on the CPU from the torch that runs it there (older ones refuse it, naming the version).
 STRATEGIES = ("ddp", "zero", "fsdp") if TORCH_VERSION >= FSDP_ON_CPU else ("ddp", "zero")
@@ -116,8 +118,9 @@ def load_at_another_world_size(folder: str) -> dict:
 
 
 def differs(a: dict, b: dict) -> list[str]:
+    """The keys whose tensors are not the same bits."""
     assert a.keys() == b.keys()
-    return [k for k in a if not torch.equal(a[k], b[k])]
+    return [k for k in a if differences(a[k], b[k])]
 
 
 def own(key: str) -> bool:
@@ -127,7 +130,7 @@ def own(key: str) -> bool:
 
 
 def test_every_rank_resumes_its_own_buffers_and_at_another_world_size_rank_0s(tmp_path):
-    ranks = ddpkit.spawn(functools.partial(save_and_restore, str(tmp_path)), 2)
+    ranks = run_on_ranks(functools.partial(save_and_restore, str(tmp_path)), 2)
     for name in STRATEGIES:
         r0, r1 = ranks[0][name], ranks[1][name]
         # The case exists: the two ranks' running statistics (and ddp's ignored parameter) differ.
@@ -145,7 +148,7 @@ def test_every_rank_resumes_its_own_buffers_and_at_another_world_size_rank_0s(tm
         assert any(wrong.values()), name
         assert all(own(k) for keys in wrong.values() for k in keys), name
     # Another world size: every rank takes rank 0's buffers, as DDP's broadcast would make them.
-    three = ddpkit.spawn(functools.partial(load_at_another_world_size, str(tmp_path)), 3)
+    three = run_on_ranks(functools.partial(load_at_another_world_size, str(tmp_path)), 3)
     for name in STRATEGIES:
         for rank in range(3):
             assert differs(three[rank][name], ranks[0][name]["buffers"]) == [], (
@@ -177,7 +180,7 @@ def test_ddp_ranks_each_write_a_share_of_the_replicated_state_and_every_rank_get
 ):
     import json
 
-    ranks = ddpkit.spawn(functools.partial(save_shared, str(tmp_path / "ddp"), "ddp", True), 3)
+    ranks = run_on_ranks(functools.partial(save_shared, str(tmp_path / "ddp"), "ddp", True), 3)
     for rank, r in enumerate(ranks):
         assert differs(r["restored"], r["saved"]) == [], f"rank {rank} did not get its state back"
     (folder,) = (tmp_path / "ddp").iterdir()
@@ -200,11 +203,11 @@ def test_a_state_that_is_not_replicated_saved_as_one_loses_what_other_ranks_own(
     # Control: zero's optimizer state is each rank's own parameters'. Shared out as if every rank
     # held all of it, some ranks drop what only they hold, and the snapshot no longer has it: why
     # only ddp says replicated.
-    ranks = ddpkit.spawn(functools.partial(save_shared, str(tmp_path / "zero"), "zero", True), 2)
+    ranks = run_on_ranks(functools.partial(save_shared, str(tmp_path / "zero"), "zero", True), 2)
     outcomes = [r.get("error") or differs(r["restored"], r["saved"]) for r in ranks]
     print(f"zero saved as replicated: {outcomes}")
     assert any(outcomes)
-    fine = ddpkit.spawn(functools.partial(save_shared, str(tmp_path / "zero-ok"), "zero", False), 2)
+    fine = run_on_ranks(functools.partial(save_shared, str(tmp_path / "zero-ok"), "zero", False), 2)
     assert all(differs(r["restored"], r["saved"]) == [] for r in fine)
 
 
@@ -225,7 +228,7 @@ def load_with_a_wrong_shape_on_rank_1(folder: str) -> str:
 def test_one_ranks_failed_load_fails_every_rank_with_its_message(tmp_path):
     # Each rank reads with no collective, so a rank whose read fails alone must still stop the
     # others, which would otherwise go on into the next collective and wait there for ever.
-    messages = ddpkit.spawn(functools.partial(load_with_a_wrong_shape_on_rank_1, str(tmp_path)), 3)
+    messages = run_on_ranks(functools.partial(load_with_a_wrong_shape_on_rank_1, str(tmp_path)), 3)
     assert all(m.startswith("ddpkit: loading snapshot") for m in messages), messages
     assert all("(on rank 1)" in m for r, m in enumerate(messages) if r != 1), messages
     assert "(on rank" not in messages[1] and "size" in messages[1].lower(), messages[1]

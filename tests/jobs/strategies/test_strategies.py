@@ -5,8 +5,6 @@ comm hooks."""
 from __future__ import annotations
 
 import functools
-from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,13 +16,8 @@ import ddpkit.strategies
 from ddpkit._errors import ConfigError
 from ddpkit.strategies import DDPConfig, build_strategy, strategy_config
 from ddpkit.strategies._ddp import bf16_compress
-from tests.jobs.scripts.train_job import train
-
-
-def run(world: int, run_dir: Path, **kwargs) -> dict:
-    """Train the test job on ``world`` ranks; rank 0's final state (``full``: gathered,
-    strategy-neutral)."""
-    return ddpkit.spawn(functools.partial(train, str(run_dir), **kwargs), world)[0]
+from ddpkit.testing import run_on_ranks
+from tests.jobs.scripts.train_job import train_on_ranks
 
 
 def rel_diff(a: dict, b: dict) -> float:
@@ -47,15 +40,8 @@ def full_diff(a: dict, b: dict) -> float:
     )
 
 
-@pytest.fixture(scope="module")
-def ddp_reference(tmp_path_factory) -> dict:
-    """Uninterrupted 2-rank ddp run: 30 Adam steps, global-batch dropout (so world sizes
-    compare)."""
-    return run(2, tmp_path_factory.mktemp("ddp") / "run", global_dropout=True)
-
-
 def test_zero_trains_what_ddp_trains(tmp_path, ddp_reference, monkeypatch):
-    zero = run(2, tmp_path / "zero", global_dropout=True, strategy="zero")
+    zero = train_on_ranks(2, tmp_path / "zero", global_dropout=True, strategy="zero")
     assert zero["step"] == ddp_reference["step"] == 30
     diff = full_diff(zero, ddp_reference)
     print(f"zero vs ddp after 30 Adam steps: largest relative difference {diff:.1e}")
@@ -63,15 +49,15 @@ def test_zero_trains_what_ddp_trains(tmp_path, ddp_reference, monkeypatch):
     # Control: the LR scheduler left on the optimizer the user built (not on the ZeRO one) steps
     # nothing that trains, and the comparison sees it.
     monkeypatch.setattr(ddpkit.strategies, "rebind_scheduler", lambda *args: None)
-    stale = run(2, tmp_path / "stale", global_dropout=True, strategy="zero", epochs=1)
-    plain = run(2, tmp_path / "d1", global_dropout=True, epochs=1)
+    stale = train_on_ranks(2, tmp_path / "stale", global_dropout=True, strategy="zero", epochs=1)
+    plain = train_on_ranks(2, tmp_path / "d1", global_dropout=True, epochs=1)
     assert rel_diff(stale["full"]["model"], plain["full"]["model"]) > 1e-3
 
 
 @pytest.mark.heavy
 def test_fsdp_fp32_trains_what_ddp_trains_and_bf16_differs(tmp_path, ddp_reference):
     # Per-block sharding: each Linear is its own unit, gathered and freed on its own.
-    fsdp = run(
+    fsdp = train_on_ranks(
         2,
         tmp_path / "fsdp",
         global_dropout=True,
@@ -82,7 +68,7 @@ def test_fsdp_fp32_trains_what_ddp_trains_and_bf16_differs(tmp_path, ddp_referen
     print(f"fsdp (fp32) vs ddp after 30 Adam steps: largest relative difference {diff:.1e}")
     assert diff < 1e-5
     # Control: bf16 parameters (mixed precision) give another model, and the tolerance sees it.
-    bf16 = run(
+    bf16 = train_on_ranks(
         2,
         tmp_path / "bf16",
         global_dropout=True,
@@ -90,7 +76,7 @@ def test_fsdp_fp32_trains_what_ddp_trains_and_bf16_differs(tmp_path, ddp_referen
         epochs=1,
         strategy_options={"param_dtype": "bf16", "reduce_dtype": "fp32"},
     )
-    fp32 = run(2, tmp_path / "fp32", global_dropout=True, strategy="fsdp", epochs=1)
+    fp32 = train_on_ranks(2, tmp_path / "fp32", global_dropout=True, strategy="fsdp", epochs=1)
     assert all(torch.isfinite(v).all() for v in bf16["full"]["model"].values())
     assert rel_diff(bf16["full"]["model"], fp32["full"]["model"]) > 1e-4
 
@@ -98,9 +84,9 @@ def test_fsdp_fp32_trains_what_ddp_trains_and_bf16_differs(tmp_path, ddp_referen
 @pytest.mark.slow  # ~15 s: 4 jobs
 @pytest.mark.parametrize("world", [1, 3])
 def test_fsdp_snapshot_of_2_ranks_resumes_at_another_world_size(tmp_path, ddp_reference, world):
-    first = run(2, tmp_path / "run", max_steps=13, global_dropout=True, strategy="fsdp")
+    first = train_on_ranks(2, tmp_path / "run", max_steps=13, global_dropout=True, strategy="fsdp")
     assert first["step"] == 13
-    final = run(world, tmp_path / "run", global_dropout=True, strategy="fsdp")
+    final = train_on_ranks(world, tmp_path / "run", global_dropout=True, strategy="fsdp")
     assert final["resumed_from"] == 13 and final["step"] == 30
     diff = full_diff(final, ddp_reference)
     print(
@@ -153,7 +139,7 @@ def _verdicts(poison: str) -> dict:
 
 
 def test_fsdp_clips_by_the_global_norm_as_ddp_does():
-    ranks = ddpkit.spawn(functools.partial(_verdicts, "none"), 2)
+    ranks = run_on_ranks(functools.partial(_verdicts, "none"), 2)
     for r in ranks:
         ddp, fsdp = r["ddp"], r["fsdp"]
         assert ddp["finite"] and fsdp["finite"]
@@ -167,7 +153,7 @@ def test_fsdp_clips_by_the_global_norm_as_ddp_does():
 
 @pytest.mark.parametrize("poison", ["loss", "grad"])
 def test_fsdp_skips_a_step_on_every_rank_when_any_shard_or_loss_is_not_finite(poison):
-    ranks = ddpkit.spawn(functools.partial(_verdicts, poison), 2)
+    ranks = run_on_ranks(functools.partial(_verdicts, poison), 2)
     assert [r["fsdp"]["finite"] for r in ranks] == [False, False]
     if poison == "loss":
         assert [r["ddp"]["finite"] for r in ranks] == [False, False]  # the same decision as ddp's
@@ -179,7 +165,7 @@ def test_fsdp_skips_a_step_on_every_rank_when_any_shard_or_loss_is_not_finite(po
 
 def _evaluate_uneven(name: str, gathered: bool) -> dict:
     """Exact metrics over 33 samples in batches of 8: rank 0 evaluates 3 batches, rank 1 two."""
-    rt = ddpkit.init(timeout=timedelta(seconds=4))
+    rt = ddpkit.get_runtime()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
     config = strategy_config(name, {"shard_blocks": ["Linear"]} if name == "fsdp" else {})
@@ -199,21 +185,20 @@ def _evaluate_uneven(name: str, gathered: bool) -> dict:
 
 
 def test_fsdp_evaluates_unpadded_shards_as_ddp_does():
-    ddp = ddpkit.spawn(functools.partial(_evaluate_uneven, "ddp", True), 2)
-    fsdp = ddpkit.spawn(functools.partial(_evaluate_uneven, "fsdp", True), 2)
+    ddp = run_on_ranks(functools.partial(_evaluate_uneven, "ddp", True), 2, collective_timeout=4)
+    fsdp = run_on_ranks(functools.partial(_evaluate_uneven, "fsdp", True), 2, collective_timeout=4)
     assert fsdp[0] == fsdp[1]
     assert fsdp[0] == pytest.approx(ddp[0], rel=1e-6)
     # Control: sharded forwards all-gather per batch, and rank 1 runs out of batches first: its
     # metrics all-reduce meets rank 0's all-gather (gloo aborts on the size mismatch, or a wait hits
     # the 4 s timeout).
     with pytest.raises(Exception, match="(?i)SIGABRT|timed? ?out|closed|reset"):
-        ddpkit.spawn(functools.partial(_evaluate_uneven, "fsdp", False), 2)
+        run_on_ranks(functools.partial(_evaluate_uneven, "fsdp", False), 2, collective_timeout=4)
 
 
 def _uneven(strategy_name: str, use_join: bool, rank0_waits: object = None) -> list[torch.Tensor]:
     """Rank 0 has 2 batches, rank 1 has 4: SGD on a linear model, with or without the strategy's
     Join."""
-    ddpkit.init(timeout=timedelta(seconds=4))
     rt = ddpkit.get_runtime()
     torch.manual_seed(0)
     model = nn.Linear(3, 1, bias=False)
@@ -247,7 +232,7 @@ def _expected_after_uneven() -> torch.Tensor:
 
 
 def test_join_ends_uneven_inputs_with_the_right_result():
-    ranks = ddpkit.spawn(functools.partial(_uneven, "ddp", True), 2)
+    ranks = run_on_ranks(functools.partial(_uneven, "ddp", True), 2, collective_timeout=4)
     torch.testing.assert_close(ranks[0][0], ranks[1][0], rtol=0, atol=0)
     torch.testing.assert_close(ranks[0][0], _expected_after_uneven())
 
@@ -257,7 +242,7 @@ def test_control_without_join_uneven_inputs_hang_until_the_timeout():
     # all-reduce that rank 0 never joins, until the 4-second collective timeout of this job ends it.
     never = mp.get_context("fork").Event()
     with pytest.raises(Exception, match="(?i)timed? ?out"):
-        ddpkit.spawn(functools.partial(_uneven, "ddp", False, never), 2)
+        run_on_ranks(functools.partial(_uneven, "ddp", False, never), 2, collective_timeout=4)
 
 
 def _join_refused(name: str) -> str:
@@ -275,7 +260,7 @@ def _join_refused(name: str) -> str:
 def test_zero_and_fsdp_refuse_join_with_a_clear_message(name):
     # zero: torch's Join ends, but a joined rank's parameters stop training; fsdp: torch has no Join
     # for it.
-    assert "same number of batches" in ddpkit.spawn(functools.partial(_join_refused, name), 2)[0]
+    assert "same number of batches" in run_on_ranks(functools.partial(_join_refused, name), 2)[0]
 
 
 HOOK_JOB = dict(global_dropout=True, batchnorm=False, epochs=1, snapshot_every_steps=None)
@@ -283,7 +268,7 @@ HOOK_JOB = dict(global_dropout=True, batchnorm=False, epochs=1, snapshot_every_s
 
 @pytest.fixture(scope="module")
 def plain_ddp(tmp_path_factory) -> dict:
-    return run(2, tmp_path_factory.mktemp("plain") / "run", **HOOK_JOB)
+    return train_on_ranks(2, tmp_path_factory.mktemp("plain") / "run", **HOOK_JOB)
 
 
 @pytest.mark.parametrize(
@@ -298,7 +283,7 @@ def plain_ddp(tmp_path_factory) -> dict:
 )
 def test_comm_hook_trains_within_its_tolerance_of_plain_ddp(tmp_path, plain_ddp, hook, low, high):
     options = {"comm_hook": hook, "powersgd_start_iter": 2}
-    hooked = run(2, tmp_path / hook, strategy_options=options, **HOOK_JOB)
+    hooked = train_on_ranks(2, tmp_path / hook, strategy_options=options, **HOOK_JOB)
     plain = plain_ddp
     diff = rel_diff(hooked["full"]["model"], plain["full"]["model"])
     print(f"{hook}: largest relative difference to plain DDP after 10 steps {diff:.1e}")
@@ -338,7 +323,7 @@ def test_torch_refuses_its_bf16_hook_by_the_build_not_the_backend_which_is_why_o
     gpu_build = (
         torch.version.cuda is not None or torch.version.hip is not None
     ) and dist.is_nccl_available()
-    (verdict, grads), other = ddpkit.spawn(_bf16_hooks_on_gloo, 2)
+    (verdict, grads), other = run_on_ranks(_bf16_hooks_on_gloo, 2)
     assert other == (verdict, grads)  # both ranks hold the same mean
     if gpu_build:
         torch_s, ours = grads
@@ -376,16 +361,16 @@ def _unused_parameter(find_unused: bool) -> str:
 
 
 def test_an_unused_parameter_is_named_with_the_option_to_set():
-    message = ddpkit.spawn(functools.partial(_unused_parameter, False), 2)[0]
+    message = run_on_ranks(functools.partial(_unused_parameter, False), 2)[0]
     assert "spare.weight, spare.bias" in message and "find_unused_parameters" in message
-    assert ddpkit.spawn(functools.partial(_unused_parameter, True), 2)[0] == "finite"
+    assert run_on_ranks(functools.partial(_unused_parameter, True), 2)[0] == "finite"
 
 
 def test_fsdp_best_weights_are_the_whole_model_and_load_outside_ddpkit(tmp_path):
     # Under fsdp each rank holds a shard: best.pt must hold the whole model, gathered, as under ddp.
     from tests.jobs.scripts.train_job import build_model
 
-    run(2, tmp_path / "run", strategy="fsdp", epochs=3, early_stopping_patience=5)
+    train_on_ranks(2, tmp_path / "run", strategy="fsdp", epochs=3, early_stopping_patience=5)
     best = torch.load(tmp_path / "run" / "best.pt", weights_only=True)
     model = build_model()
     model.load_state_dict(best["model"])  # strict: every tensor whole, none a shard

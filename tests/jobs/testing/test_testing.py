@@ -1,11 +1,13 @@
 """ddpkit.testing, as a user's test suite calls it: real processes over gloo, results per rank, a
 failing rank's error, a hang bounded, and the same-on-every-rank check with its control; a script
 under the launcher, started clean of an enclosing job's variables, and killed whole past its
-timeout; the same started without waiting, in a session of its own that the test can signal."""
+timeout; the same started without waiting, in a session of its own that the test can signal; each
+rank's output, read from the job's own log folder."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,7 +18,14 @@ import pytest
 import torch
 
 import ddpkit
-from ddpkit.testing import assert_same_on_ranks, run_job, run_on_ranks, start_job, wait_until
+from ddpkit.testing import (
+    assert_same_on_ranks,
+    run_job,
+    run_on_ranks,
+    start_job,
+    wait_job,
+    wait_until,
+)
 
 pytestmark = pytest.mark.heavy
 
@@ -179,6 +188,30 @@ def test_a_failing_job_returns_its_exit_status_and_output(tmp_path, clean_env):
     hello = Path(__file__).parents[1] / "scripts" / "hello.py"
     done = run_job(hello, "--fail-rank", "1", nproc=2, env=clean_env, timeout=240)
     assert done.returncode != 0 and "planned failure on rank 1" in done.stdout + done.stderr
+
+
+def test_each_ranks_output_is_read_over_its_restarts_from_the_jobs_own_log_folder(
+    tmp_path, clean_env
+):
+    hello = Path(__file__).parents[1] / "scripts" / "hello.py"
+    logs = ("--log-dir", str(tmp_path / "logs"))
+    # rank 2 fails its first attempt, after its greeting; the restart greets again
+    proc = start_job(
+        hello, "--fail-first-attempt", nproc=3, launcher_args=("--max-restarts", "1", *logs),
+        env=clean_env,
+    )  # fmt: skip
+    done = wait_job(proc, 240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in range(3):
+        greetings = re.findall(r"hello rank=(\d) world=3 attempt=(\d)", done.output(rank))
+        assert greetings == [(str(rank), "0"), (str(rank), "1")], done.output(rank)
+    assert "planned failure on the first attempt" in done.output(2, "stderr")
+    # Control: another job with the same log folder reads its own ranks' files, not the first's.
+    again = run_job(hello, "again", nproc=2, launcher_args=logs, env=clean_env, timeout=240)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.log_dir is not None and done.log_dir is not None
+    assert again.log_dir != done.log_dir and again.log_dir.parent == done.log_dir.parent
+    assert "words=['again']" in again.output(1) and "again" not in done.output(1)
 
 
 # A job that says what it inherited, leaves its pid, and runs until it is killed.

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.testing import run_job
-from tests.conftest import _clean_environ
+from ddpkit.testing import run_job, run_on_ranks
+from tests.jobs.conftest import clean_environ
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -17,7 +17,7 @@ def test_bench_end_to_end_writes_table_json_and_plot(tmp_path):
     options = ["--steps", "6", "--warmup", "2", "--rounds", "1", "--no-knobs"]
     options += ["--predict", "1,2,16", "--out", str(out)]
     proc = run_job(
-        None, command="bench", launcher_args=options, env=_clean_environ(), cwd=ROOT, timeout=180
+        None, command="bench", launcher_args=options, env=clean_environ(), cwd=ROOT, timeout=180
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     text = proc.stdout
@@ -59,11 +59,10 @@ def _lm_steps():
 
 @pytest.mark.slow
 def test_the_step_timer_runs_the_built_in_language_model_on_two_ranks():
-    import ddpkit
     from ddpkit.demo._datasets import CHARS
     from ddpkit.demo._models import TinyGPT
 
-    runs = ddpkit.spawn(_lm_steps, 2)
+    runs = run_on_ranks(_lm_steps, 2)
     gpt_bytes = sum(p.numel() * 4 for p in TinyGPT(len(CHARS)).parameters())
     for r in runs:
         assert 0 < r["medians"]["forward"] < r["medians"]["step"] and r["batch_size"] == 8

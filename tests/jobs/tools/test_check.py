@@ -16,7 +16,7 @@ from ddpkit._errors import ConfigError
 from ddpkit.testing import run_job
 from ddpkit.tools._check import CAUSES, CheckConfig, run_check
 from ddpkit.tools._workload import load_workload
-from tests.conftest import _clean_environ
+from tests.jobs.conftest import clean_environ
 
 pytestmark = pytest.mark.heavy
 
@@ -152,7 +152,7 @@ def ddpkit_workload():
 def _check_cli(script: Path, *args: str) -> subprocess.CompletedProcess:
     """``ddpkit check --nproc 2 --steps 2 SCRIPT ARGS`` from the checkout."""
     return run_job(
-        script, *args, command="check", launcher_args=("--steps", "2"), env=_clean_environ(),
+        script, *args, command="check", launcher_args=("--steps", "2"), env=clean_environ(),
         cwd=ROOT, timeout=120,
     )  # fmt: skip
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import ddpkit
+from ddpkit.testing import read_records, run_on_ranks
 from tests.jobs.scripts.train_job import train
 
 mlflow = pytest.importorskip("mlflow")
@@ -19,8 +19,7 @@ wandb_pb = pytest.importorskip("wandb.proto.wandb_internal_pb2")
 
 def jsonl_curves(run_dir: Path) -> dict[str, dict[int, float]]:
     curves: dict[str, dict[int, float]] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
+    for rec in read_records(run_dir):
         if rec["kind"] in ("train", "epoch", "val"):  # "val": a validation between epoch ends
             for k, v in rec.items():
                 if k not in ("kind", "step", "time", "epoch"):
@@ -77,9 +76,9 @@ def test_mlflow_and_wandb_get_the_same_records_and_continue_after_a_resume(tmp_p
         log_every_steps=5,
         epochs=2,
     )
-    ddpkit.spawn(functools.partial(job, max_steps=13), 2)
+    run_on_ranks(functools.partial(job, max_steps=13), 2)
     first_ids = json.loads((run_dir / "loggers.json").read_text())
-    ddpkit.spawn(job, 2)  # resumes at step 13: the same tracker runs continue
+    run_on_ranks(job, 2)  # resumes at step 13: the same tracker runs continue
     # one folder per process, one run id
     assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 2
     assert json.loads((run_dir / "loggers.json").read_text()) == first_ids

@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-import ddpkit
+from ddpkit.testing import run_on_ranks
 from ddpkit.tracking._curves import RANKS_PANEL, panels, read_curves
 from tests.jobs.scripts.train_job import train
 
 
 @pytest.mark.heavy
 def test_ddpkit_plot_draws_a_trained_run(tmp_path, clean_env):
-    ddpkit.spawn(
+    run_on_ranks(
         lambda: train(
             str(tmp_path / "run"), epochs=2, early_stopping_patience=5, log_every_steps=5
         ),

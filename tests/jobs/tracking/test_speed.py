@@ -11,7 +11,7 @@ import functools
 
 import pytest
 
-import ddpkit
+from ddpkit.testing import read_records, run_on_ranks
 from tests.jobs.scripts.speed_job import (
     CLASSES,
     FEATURES,
@@ -22,18 +22,15 @@ from tests.jobs.scripts.speed_job import (
 )
 
 
-def _run(run_dir, capfd=None, **kwargs) -> tuple[list[dict], str]:
-    records = ddpkit.spawn(functools.partial(train, str(run_dir), **kwargs), 2)[0]
-    out = capfd.readouterr().out if capfd is not None else ""
-    return records, out
-
-
 def _kind(records: list[dict], kind: str) -> list[dict]:
     return [r for r in records if r["kind"] == kind]
 
 
 def test_a_rank_with_slow_data_is_named_with_the_phase_data(tmp_path, capfd):
-    records, out = _run(tmp_path / "run", capfd, slow="data", peak_flops=1e11)
+    records = run_on_ranks(
+        functools.partial(train, str(tmp_path / "run"), slow="data", peak_flops=1e11), 2
+    )[0]
+    out = capfd.readouterr().out
     ranks = _kind(records, "ranks")
     assert len(ranks) == 4  # 16 steps, a window every 4
     for r in ranks:
@@ -54,14 +51,15 @@ def test_a_rank_with_slow_data_is_named_with_the_phase_data(tmp_path, capfd):
 
 
 def test_a_rank_with_slow_compute_is_named_with_the_phase_compute(tmp_path, capfd):
-    records, out = _run(tmp_path / "run", capfd, slow="compute")
+    records = run_on_ranks(functools.partial(train, str(tmp_path / "run"), slow="compute"), 2)[0]
+    out = capfd.readouterr().out
     for r in _kind(records, "ranks"):
         assert (r["slow"], r["slowest_rank"], r["slowest_phase"]) == (True, 1, "compute"), r
     assert "(compute)" in out and "mostly compute" in out
 
 
 def test_control_equal_ranks_name_nobody_and_the_rates_are_global(tmp_path, capfd):
-    records, out = _run(tmp_path / "run", capfd, tokens=True)
+    records = run_on_ranks(functools.partial(train, str(tmp_path / "run"), tokens=True), 2)[0]
     ranks = _kind(records, "ranks")
     # The first window holds each rank's start-up (DDP's first iteration), which differs between
     # processes. On a machine loaded by other work one window may find a rank held up by the
@@ -82,7 +80,10 @@ def test_control_equal_ranks_name_nobody_and_the_rates_are_global(tmp_path, capf
 
 
 def test_step_timings_off_records_none_of_it(tmp_path, capfd):
-    records, out = _run(tmp_path / "run", capfd, slow="data", step_timings=False)
+    records = run_on_ranks(
+        functools.partial(train, str(tmp_path / "run"), slow="data", step_timings=False), 2
+    )[0]
+    out = capfd.readouterr().out
     assert not _kind(records, "ranks")
     assert all("samples_per_s" not in t for t in _kind(records, "train"))
     assert "slow rank" not in out and "samples/s" not in out
@@ -105,8 +106,6 @@ def _count_collectives(run_dir: str, every: int, step_timings: bool) -> tuple[in
     """The torch.distributed collectives this rank's fit calls through the public API (DDP's own
     all-reduce of the gradients runs in its reducer, not through these), and the ``ranks`` records
     written."""
-    import json
-
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -135,14 +134,11 @@ def _count_collectives(run_dir: str, every: int, step_timings: bool) -> tuple[in
         loss_fn=nn.functional.mse_loss,
     )  # fmt: skip
     trainer.fit()
-    lines = (trainer.run_dir / "metrics.jsonl").read_text().splitlines()
-    ranks = [r for r in map(json.loads, lines) if r["kind"] == "ranks"]
+    ranks = [r for r in read_records(trainer.run_dir) if r["kind"] == "ranks"]
     return len(calls), len(ranks)
 
 
 def test_the_step_timings_travel_in_the_agreement_and_add_no_collective(tmp_path):
-    from ddpkit.testing import run_on_ranks
-
     def counts(name, every, timings):
         return run_on_ranks(_count_collectives, 2, (str(tmp_path / name), every, timings))
 

@@ -12,31 +12,32 @@ from __future__ import annotations
 
 import collections
 import datetime as dt
-import json
 import pathlib
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from ddpkit.testing import run_job
+from ddpkit.testing import Job, run_job
 from tests.trainer_checks import bitwise_equal
 
 JOB = str(Path(__file__).parents[1] / "scripts" / "codec_job.py")
 
 
-def run(tmp: Path, name: str, *args: str, env: dict) -> subprocess.CompletedProcess:
+def run(tmp: Path, name: str, *args: str, env: dict) -> Job:
+    """The job under ``ddpkit run``, one restart allowed: run directory ``tmp/name``, its final
+    state to ``tmp/name.pt`` (and each rank's callback state to ``tmp/name.pt.callback<r>``)."""
     (tmp / f"{name}-log").mkdir()
     job = [str(tmp / name), "--out", str(tmp / f"{name}.pt"), "--log", str(tmp / f"{name}-log")]
     restart = ("--max-restarts", "1")
-    return run_job(JOB, *job, *args, launcher_args=restart, env=env, cwd=tmp, timeout=300)
+    return run_job(
+        JOB, *job, *args, launcher_args=restart, env=env, cwd=tmp, timeout=300, run_dir=tmp / name
+    )
 
 
-def launch(tmp: Path, name: str, *args: str, env: dict) -> tuple[dict, list[dict]]:
-    proc = run(tmp, name, *args, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def finals(tmp: Path, name: str) -> tuple[dict, list[dict]]:
+    """Rank 0's final state, and each rank's callback state."""
     final = torch.load(tmp / f"{name}.pt", weights_only=False)
     callbacks = [torch.load(tmp / f"{name}.pt.callback{r}", weights_only=False) for r in range(2)]
     return final, callbacks
@@ -45,21 +46,18 @@ def launch(tmp: Path, name: str, *args: str, env: dict) -> tuple[dict, list[dict
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # two 2-rank jobs, one restarted
 def test_a_run_keeping_numpy_deque_path_datetime_resumes_bitwise_from_disk(tmp_path, clean_env):
-    reference, ref_callbacks = launch(tmp_path, "reference", env=clean_env)
-    final, callbacks = launch(
-        tmp_path, "killed", "--kill-rank", "1", "--kill-step", "8", env=clean_env
-    )
+    for name, kill in (("reference", ()), ("killed", ("--kill-rank", "1", "--kill-step", "8"))):
+        done = run(tmp_path, name, *kill, env=clean_env)
+        assert done.returncode == 0, done.stderr[-3000:]
+    reference, ref_callbacks = finals(tmp_path, "reference")
+    final, callbacks = finals(tmp_path, "killed")
     assert list((tmp_path / "killed-log").glob("killed-*")), "no worker was killed"
     assert final["attempt"] == 1 and final["resumed_from"] == 6, (
         final["attempt"],
         final["resumed_from"],
     )
-    events = [
-        json.loads(line)
-        for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
-    ]
     # from disk
-    assert [e["file"] for e in events if e.get("event") == "resume"] == ["step-00000006"]
+    assert [e["file"] for e in done.events("resume")] == ["step-00000006"]
     assert bitwise_equal(final, reference), (
         "weights or optimizer state differ from the uninterrupted run"
     )

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import math
-from datetime import timedelta
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import ddpkit
+from ddpkit.testing import run_on_ranks
 
 
 def make_classification(n: int) -> TensorDataset:
@@ -85,7 +85,7 @@ def _classification_worker(sizes: list[int]) -> dict:
 @pytest.mark.parametrize("world", [2, 3])
 def test_evaluate_equals_one_process_at_every_remainder(world):
     sizes = SIZES[world]
-    results = ddpkit.spawn(_classification_worker, world, (sizes,))
+    results = run_on_ranks(_classification_worker, world, (sizes,))
     for n in sizes:
         # no process group
         reference = ddpkit.evaluate(fixed_linear(3), make_classification(n), batch_size=2)
@@ -141,7 +141,7 @@ def _metrics_worker(n: int) -> dict:
 
 def test_regression_custom_summed_metrics_loader_and_subgroup():
     n = 11
-    results = ddpkit.spawn(_metrics_worker, 3, (n,))
+    results = run_on_ranks(_metrics_worker, 3, (n,))
     x, target = make_regression(n).tensors
     pred = fixed_linear(2)(x).detach()
     expected_mse = (pred - target).pow(2).mean(dim=1).double().mean().item()
@@ -173,7 +173,7 @@ def bn_model() -> nn.Module:
 
 def _ddp_bn_worker(sync: bool, n: int, train_step: bool) -> dict:
     # a hang surfaces as an error, well before pytest's limit
-    rt = ddpkit.init(timeout=timedelta(seconds=30))
+    rt = ddpkit.get_runtime()  # run_on_ranks: collectives wait 30 s at most
     model = ddpkit.prepare_model(bn_model(), sync_batchnorm=sync)
     if train_step:  # as in a real loop: every rank holds 4 of the same 8 samples
         x, y = make_classification(8).tensors
@@ -195,7 +195,7 @@ def _ddp_bn_worker(sync: bool, n: int, train_step: bool) -> dict:
 @pytest.mark.parametrize("sync", [False, True])
 def test_evaluate_ddp_batchnorm_uneven_batches_does_not_hang(sync):
     n = 5
-    results = ddpkit.spawn(_ddp_bn_worker, 2, (sync, n, False))
+    results = run_on_ranks(_ddp_bn_worker, 2, (sync, n, False))
     reference = ddpkit.evaluate(bn_model(), make_classification(n))
     for out in results:
         assert out["bn_type"] == ("CPUSyncBatchNorm" if sync else "BatchNorm1d")
@@ -211,7 +211,7 @@ def test_evaluate_after_a_training_step_evaluates_rank0_model(sync):
     # running statistics saw only its own slice, so evaluating each rank's own copy measures a
     # mixture of different models.
     n = 5
-    results = ddpkit.spawn(_ddp_bn_worker, 2, (sync, n, True))
+    results = run_on_ranks(_ddp_bn_worker, 2, (sync, n, True))
     reference_model = bn_model()
     reference_model.load_state_dict(results[0]["state"])
     reference = ddpkit.evaluate(reference_model, make_classification(n))
@@ -233,7 +233,6 @@ def bn_no_running_stats_model() -> nn.Module:
 
 
 def _bn_no_running_stats_worker(n: int) -> dict:
-    ddpkit.init(timeout=timedelta(seconds=3))  # a hang surfaces in seconds
     g = torch.Generator().manual_seed(7)
     dataset = TensorDataset(
         torch.randn(n, 2, 2, 2, generator=g), torch.randint(0, 3, (n,), generator=g)
@@ -250,6 +249,7 @@ def _bn_no_running_stats_worker(n: int) -> dict:
 @pytest.mark.timeout(90)
 def test_evaluate_sync_batchnorm_without_running_stats_uneven_batches():
     # n=7 over 3 ranks: shares of 3, 2, 2 samples, so rank 0 runs 2 batches of 2 and the others 1.
-    results = ddpkit.spawn(_bn_no_running_stats_worker, 3, (7,))
+    # a hang surfaces in seconds
+    results = run_on_ranks(_bn_no_running_stats_worker, 3, (7,), collective_timeout=3)
     for out in results:
         assert out["synced"] == pytest.approx(out["expected"], rel=1e-6)

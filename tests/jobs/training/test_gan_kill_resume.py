@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ddpkit.testing import run_job
+from tests.trainer_checks import same_bits
 
 JOB = str(Path(__file__).parents[1] / "scripts" / "gan_job.py")
 
@@ -24,22 +25,9 @@ def launch(
     return [torch.load(tmp / f"{name}.rank{r}", weights_only=False) for r in (0, 1)], proc.stdout
 
 
-def same_bits(a: dict, b: dict) -> bool:
-    keys = [(part, k) for part in ("model", "optim") for k in a["strategy"][part]]
-    if keys != [(part, k) for part in ("model", "optim") for k in b["strategy"][part]]:
-        return False
-    for part, k in keys:
-        x, y = a["strategy"][part][k], b["strategy"][part][k]
-        if isinstance(x, torch.Tensor):
-            if not (
-                x.dtype == y.dtype
-                and x.shape == y.shape
-                and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
-            ):
-                return False
-        elif x != y:
-            return False
-    return a["step"] == b["step"]
+def same_state(a: dict, b: dict) -> bool:
+    """Both models and both optimizers the same bits, at the same step."""
+    return same_bits(a["strategy"], b["strategy"], "model", "optim") and a["step"] == b["step"]
 
 
 @pytest.mark.slow
@@ -54,9 +42,9 @@ def test_sigkill_of_one_rank_resumes_both_models_and_optimizers_bitwise(tmp_path
     assert any(k.startswith("g.") for k in killed[0]["strategy"]["model"])
     assert any(k.startswith("state.d.") for k in killed[0]["strategy"]["optim"])
     for rank in (0, 1):
-        assert same_bits(killed[rank], reference[rank]), (
+        assert same_state(killed[rank], reference[rank]), (
             f"rank {rank}: the resumed run's state differs"
         )
     # Control: a resume that leaves the discriminator's optimizer state out ends elsewhere.
     forgot, _ = launch(tmp_path, "forgot", 1, 47, forget=True)
-    assert forgot[0]["attempt"] == 1 and not same_bits(forgot[0], reference[0])
+    assert forgot[0]["attempt"] == 1 and not same_state(forgot[0], reference[0])

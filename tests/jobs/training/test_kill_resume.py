@@ -9,10 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from ddpkit.testing import run_job, without_launch_env
-from tests.jobs.scripts.train_job import N_SAMPLES
+from ddpkit.testing import run_job
+from tests.jobs.scripts.train_job import N_SAMPLES, under_launcher
 from tests.tmpfs import small_tmpfs
 from tests.trainer_checks import (
     assert_each_sample_once,
@@ -22,6 +21,7 @@ from tests.trainer_checks import (
     rank_max_abs_diff,
     resume_steps,
     samples_per_epoch,
+    use_reference,
 )
 
 JOB = str(Path(__file__).parents[1] / "scripts" / "train_job.py")
@@ -29,36 +29,12 @@ STEPS = 30  # 3 epochs of 10 steps; snapshots every 3 steps and at epoch ends
 SEED = int(os.environ.get("DDPKIT_KILL_SEED", time.time_ns() % 100_000))
 
 
-def launch(
-    tmp: Path, name: str, *job_args: str, restarts: int = 2, clean_env: dict
-) -> tuple[dict, str]:
-    (tmp / f"{name}-log").mkdir()
-    job = (
-        str(tmp / name),
-        "--sample-log",
-        str(tmp / f"{name}-log"),
-        "--out",
-        str(tmp / f"{name}.pt"),
-        *job_args,
-    )
-    proc = run_job(
-        JOB, *job, launcher_args=("--max-restarts", str(restarts)), env=clean_env, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(tmp / f"{name}.pt", weights_only=False), proc.stdout + proc.stderr
-
-
-@pytest.fixture
-def clean_env() -> dict[str, str]:
-    return without_launch_env({k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"})
-
-
 @pytest.mark.slow
 # four 2-rank jobs, two of them restarted: about a minute, more under load
 @pytest.mark.timeout(600)
-def test_sigkill_at_random_steps_resumes_bitwise(tmp_path, clean_env):
+def test_sigkill_at_random_steps_resumes_bitwise(tmp_path, user_env, train_reference):
     rng = random.Random(SEED)
-    reference, _ = launch(tmp_path, "reference", clean_env=clean_env)
+    reference = use_reference(train_reference, tmp_path)
     trials = [
         (
             "rank 0 at a random step",
@@ -74,7 +50,7 @@ def test_sigkill_at_random_steps_resumes_bitwise(tmp_path, clean_env):
     ]
     report = []
     for i, (what, args) in enumerate(trials):
-        final, stderr = launch(tmp_path, f"trial{i}", *args, clean_env=clean_env)
+        final, _ = under_launcher(tmp_path, f"trial{i}", *args, env=user_env, timeout=120)
         # Proof of the kill: the worker sent itself SIGKILL (its mark), and the job went on as a
         # restart.
         assert list((tmp_path / f"trial{i}-log").glob("killed-*")), (
@@ -108,10 +84,10 @@ def test_sigkill_at_random_steps_resumes_bitwise(tmp_path, clean_env):
 
 
 @pytest.mark.slow
-def test_a_failing_rank_stops_the_job_fast_and_restart_resumes(tmp_path, clean_env):
+def test_a_failing_rank_stops_the_job_fast_and_restart_resumes(tmp_path, user_env, train_reference):
     # No restarts: the exception in user code on rank 1 at step 7 ends every rank, with a summary.
     start = time.monotonic()
-    proc = run_job(JOB, str(tmp_path / "fail"), "--raise-at", "1", "7", env=clean_env, timeout=120)
+    proc = run_job(JOB, str(tmp_path / "fail"), "--raise-at", "1", "7", env=user_env, timeout=120)
     elapsed = time.monotonic() - start
     assert proc.returncode == 1
     summary = proc.stderr[proc.stderr.index("ddpkit run:") :]
@@ -123,20 +99,22 @@ def test_a_failing_rank_stops_the_job_fast_and_restart_resumes(tmp_path, clean_e
     )
     # With restarts the job resumes from the snapshot of step 6 and ends where an uninterrupted run
     # does.
-    reference, _ = launch(tmp_path, "reference", clean_env=clean_env)
-    final, _ = launch(tmp_path, "restarted", "--raise-at", "1", "7", clean_env=clean_env)
+    reference = use_reference(train_reference, tmp_path)
+    final, _ = under_launcher(
+        tmp_path, "restarted", "--raise-at", "1", "7", env=user_env, timeout=120
+    )
     assert final["attempt"] == 1 and final["resumed_from"] == 6
     assert bitwise_equal(final, reference)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [[], ["--snapshot-sync"]], ids=["async", "sync"])
-def test_a_full_disk_during_a_snapshot_is_named_in_the_launchers_summary(tmp_path, clean_env, mode):
+def test_a_full_disk_during_a_snapshot_is_named_in_the_launchers_summary(tmp_path, user_env, mode):
     # The snapshots on a small file system of their own, which rank 0 fills at step 7: the snapshot
     # of step 9 cannot be written (asynchronously: its error is raised by the save of step 10).
     with small_tmpfs(tmp_path / "run" / "snapshots", "1m"):
         proc = run_job(
-            JOB, str(tmp_path / "run"), "--fill-disk-at", "7", *mode, env=clean_env, timeout=120
+            JOB, str(tmp_path / "run"), "--fill-disk-at", "7", *mode, env=user_env, timeout=120
         )
         whole = sorted(p.name for p in (tmp_path / "run" / "snapshots").glob("step-*"))
     assert proc.returncode == 1, proc.stderr[-3000:]
@@ -160,16 +138,16 @@ WORKER_KILLS = {"mid-epoch": (14, (12, 10)), "epoch boundary": (10, (10, 9))}
 @pytest.mark.slow
 # five jobs of 2 ranks x 3 processes on 2 cores: about 2 minutes, more under load
 @pytest.mark.timeout(600)
-def test_sigkill_with_two_loader_workers_per_rank_resumes_bitwise(tmp_path, clean_env):
+def test_sigkill_with_two_loader_workers_per_rank_resumes_bitwise(tmp_path, user_env):
     # Augmentation in __getitem__ (torch, numpy, python draws) in 2 persistent workers per
     # rank: each sample's draws are a function of (seed, epoch, index), so the restarted job
     # augments as the uninterrupted one. BatchNorm without sync BatchNorm: each rank's own running
     # statistics.
     workers = ["--augment", "--workers", "2", "--no-sync-bn"]
-    reference, _ = launch(tmp_path, "reference", *workers, clean_env=clean_env)
+    reference, _ = under_launcher(tmp_path, "reference", *workers, env=user_env, timeout=120)
     for what, (kill_step, resumed_from) in WORKER_KILLS.items():
         name = what.replace(" ", "-")
-        final, stderr = launch(
+        final, _ = under_launcher(
             tmp_path,
             name,
             *workers,
@@ -177,7 +155,8 @@ def test_sigkill_with_two_loader_workers_per_rank_resumes_bitwise(tmp_path, clea
             "1",
             "--kill-step",
             str(kill_step),
-            clean_env=clean_env,
+            env=user_env,
+            timeout=120,
         )
         killed = list((tmp_path / f"{name}-log").glob("killed-*"))
         assert killed and final["attempt"] == 1 and final["resumed_from"] in resumed_from, what
@@ -196,8 +175,10 @@ def test_sigkill_with_two_loader_workers_per_rank_resumes_bitwise(tmp_path, clea
     # Control: left to the workers' own streams (how loaders draw without ddpkit's seeding), the
     # same kill at the epoch boundary ends elsewhere: the restarted workers' streams start afresh.
     unseeded = [*workers, "--unseeded-samples"]
-    plain_reference, _ = launch(tmp_path, "plain-reference", *unseeded, clean_env=clean_env)
-    plain, _ = launch(
+    plain_reference, _ = under_launcher(
+        tmp_path, "plain-reference", *unseeded, env=user_env, timeout=120
+    )
+    plain, _ = under_launcher(
         tmp_path,
         "plain-killed",
         *unseeded,
@@ -205,7 +186,8 @@ def test_sigkill_with_two_loader_workers_per_rank_resumes_bitwise(tmp_path, clea
         "1",
         "--kill-step",
         "10",
-        clean_env=clean_env,
+        env=user_env,
+        timeout=120,
     )
     assert plain["resumed_from"] in WORKER_KILLS["epoch boundary"][1]
     print(f"control, unseeded samples: max |dw| {max_abs_diff(plain, plain_reference):.1e}")
@@ -226,15 +208,15 @@ LOCAL_BN_KILLS = {
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # five 2-rank jobs: about 2 minutes, more under load
-def test_sigkill_without_sync_batchnorm_resumes_every_rank_bitwise(tmp_path, clean_env):
-    reference, _ = launch(tmp_path, "reference", *LOCAL_BN, clean_env=clean_env)
+def test_sigkill_without_sync_batchnorm_resumes_every_rank_bitwise(tmp_path, user_env):
+    reference, _ = under_launcher(tmp_path, "reference", *LOCAL_BN, env=user_env, timeout=120)
     for what, (kill, resumed_from) in LOCAL_BN_KILLS.items():
         name = what.replace(" ", "-")
-        final, output = launch(tmp_path, name, *LOCAL_BN, *kill, clean_env=clean_env)
+        final, job = under_launcher(tmp_path, name, *LOCAL_BN, *kill, env=user_env, timeout=120)
         assert list((tmp_path / f"{name}-log").glob("killed-*")) and final["attempt"] == 1, what
         assert final["resumed_from"] == resumed_from, (what, final["resumed_from"])
         if "damaged" in what:
-            assert "__1_0.distcp not matching its checksum" in output, what
+            assert "__1_0.distcp not matching its checksum" in job.stdout + job.stderr, what
         assert_each_sample_once(
             samples_per_epoch(tmp_path / f"{name}-log", resume_steps(tmp_path / name)), N_SAMPLES, 3
         )
@@ -247,8 +229,8 @@ def test_sigkill_without_sync_batchnorm_resumes_every_rank_bitwise(tmp_path, cle
     # Control: each rank's own buffers saved as one copy per key (DCP's way with a replicated key,
     # the save of the version before) make the same mid-epoch kill end elsewhere.
     kill, resumed_from = LOCAL_BN_KILLS["rank 1 mid-epoch"]
-    final, _ = launch(
-        tmp_path, "one-copy", *LOCAL_BN, *kill, "--shared-buffers", clean_env=clean_env
+    final, _ = under_launcher(
+        tmp_path, "one-copy", *LOCAL_BN, *kill, "--shared-buffers", env=user_env, timeout=120
     )
     assert final["resumed_from"] == resumed_from
     differs = rank_differences(tmp_path / "one-copy.pt", tmp_path / "reference.pt")

@@ -5,14 +5,14 @@ restores their final state, and every phase ends bit for bit where an uninterrup
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from ddpkit.testing import run_job
+from ddpkit.testing import read_records, run_job
+from tests.trainer_checks import differences
 
 JOB = str(Path(__file__).parents[1] / "scripts" / "phases_job.py")
 PHASES = ("teacher", "student1", "student2")
@@ -23,25 +23,6 @@ def launch(tmp: Path, name: str, kill_step: int, mode: str = "phases") -> list[d
     done = run_job(JOB, *args, launcher_args=("--max-restarts", "2"), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return [torch.load(tmp / f"{name}.rank{r}", weights_only=False) for r in (0, 1)]
-
-
-def differences(a: Any, b: Any, path: str = "") -> list[str]:
-    """Where ``a`` and ``b`` (nested dicts of tensors and values) differ, bit for bit."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        if a.keys() != b.keys():
-            return [f"{path}: keys"]
-        return [d for k in a for d in differences(a[k], b[k], f"{path}.{k}")]
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        same = a.dtype == b.dtype and a.shape == b.shape
-        bits = same and torch.equal(
-            a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
-        )
-        return [] if bits else [path]
-    return [] if a == b else [path]
-
-
-def records(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
 
 
 @pytest.mark.slow
@@ -56,15 +37,15 @@ def test_a_kill_in_the_second_student_restores_the_finished_phases_and_resumes_i
     run = tmp_path / "killed-run"
     for phase in PHASES:
         # one train record a step, each step once: trained once (rewound records moved aside)
-        assert [r["step"] for r in records(run / phase) if r["kind"] == "train"] == list(
+        assert [r["step"] for r in read_records(run / phase) if r["kind"] == "train"] == list(
             range(1, 13)
         )
     for phase in ("teacher", "student1"):
         stops = [
-            r.get("resumed_finished") for r in records(run / phase) if r.get("event") == "stop"
+            r.get("resumed_finished") for r in read_records(run / phase) if r.get("event") == "stop"
         ]
         assert stops == [None, True], phase
-    resumes = [r["step"] for r in records(run / "student2") if r.get("event") == "resume"]
+    resumes = [r["step"] for r in read_records(run / "student2") if r.get("event") == "resume"]
     assert resumes in ([4], [5])
     # Control: with a finished phase's model and optimizer put back as built after its fit(), the
     # first student (and the teacher's optimizer) end elsewhere.
@@ -85,6 +66,8 @@ def test_a_second_training_without_phase_in_the_run_directory_is_refused_naming_
     # the first student, at the teacher's snapshot: refused before any step
     assert "was taken by a run with another config than this one" in done.stderr
     assert "TrainerConfig(phase=...)" in done.stderr
-    assert [r["kind"] for r in records(tmp_path / "run") if r["kind"] == "epoch"] == ["epoch"] * 3
+    assert [r["kind"] for r in read_records(tmp_path / "run") if r["kind"] == "epoch"] == [
+        "epoch"
+    ] * 3
     assert not (tmp_path / "out.rank0").exists()
     # Control: the same script with phases runs to its end (the reference of the test above).

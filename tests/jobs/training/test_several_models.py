@@ -20,8 +20,8 @@ from torch.utils.data import TensorDataset
 import ddpkit
 from ddpkit import LoggingConfig, SnapshotConfig, Trainer, TrainerConfig
 from ddpkit._errors import ConfigError
-from ddpkit.testing import run_on_ranks
-from tests.trainer_checks import Overflow
+from ddpkit.testing import read_records, run_on_ranks
+from tests.trainer_checks import Overflow, same_bits
 
 NOISE = 4
 
@@ -87,29 +87,8 @@ def state(trainer: Trainer) -> dict[str, Any]:
     }
 
 
-def bitwise(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    def same(x: Any, y: Any) -> bool:
-        if isinstance(x, torch.Tensor):
-            same_type = isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape
-            return same_type and torch.equal(
-                x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)
-            )
-        return x == y
-
-    def flat(x: dict[str, Any]) -> dict[str, Any]:
-        return {
-            f"{k}/{n}": w
-            for k, v in x.items()
-            for n, w in (v.items() if isinstance(v, dict) else [("", v)])
-        }
-
-    fa, fb = flat(a), flat(b)
-    return fa.keys() == fb.keys() and all(same(fa[k], fb[k]) for k in fa)
-
-
 def records(run_dir: Path, kind: str) -> list[dict[str, Any]]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+    return [r for r in read_records(run_dir) if r["kind"] == kind]
 
 
 def _fit(run_dir: Path, **options: Any) -> dict[str, Any]:
@@ -145,7 +124,7 @@ def _nonfinite_job(run_dir: Path, on_nonfinite: str, through_helper: bool) -> An
 
 def test_a_nonfinite_loss_of_one_optimizer_on_one_rank_skips_or_stops_every_rank(tmp_path):
     skip = run_on_ranks(_nonfinite_job, 2, (tmp_path / "skip", "skip", True), timeout=300)
-    assert skip[0]["skipped"] == skip[1]["skipped"] == 1 and bitwise(skip[0], skip[1])
+    assert skip[0]["skipped"] == skip[1]["skipped"] == 1 and same_bits(skip[0], skip[1])
     events = [
         r for r in records(tmp_path / "skip", "event") if r.get("event") == "skipped_nonfinite"
     ]
@@ -217,7 +196,7 @@ def test_a_generator_stepped_every_second_step_trains_alike_on_every_rank(tmp_pa
     ranks = run_on_ranks(_n_critic_job, 2, (tmp_path,), timeout=300)
     moved = ranks[0]["moved"]
     assert moved == [i % 2 == 1 for i in range(len(moved))] and len(moved) >= 4
-    assert ranks[0]["skipped"] == 0 and bitwise(ranks[0], ranks[1])
+    assert ranks[0]["skipped"] == 0 and same_bits(ranks[0], ranks[1])
 
 
 # --- clipping per optimizer -----------------------------------------------------------------------
@@ -276,7 +255,7 @@ def test_fp16_one_scaler_for_two_optimizers_skips_alike_and_updates_once_a_step(
     clean = run_on_ranks(_fp16_job, 2, (tmp_path / "clean", False), timeout=300)
     over = run_on_ranks(_fp16_job, 2, (tmp_path / "over", True), timeout=300)
     # the scaler's business, not a skip
-    assert bitwise(over[0], over[1]) and over[0]["skipped"] == 0
+    assert same_bits(over[0], over[1]) and over[0]["skipped"] == 0
     overflows = [
         r for r in records(tmp_path / "over", "event") if r.get("event") == "fp16_overflow"
     ]
@@ -313,8 +292,8 @@ def test_a_run_stopped_by_max_steps_resumes_both_models_and_optimizers_bitwise(t
     first = run_on_ranks(_resume_job, 2, (tmp_path / "stopped", 7, False), timeout=300)
     assert first[0]["step"] == 7
     resumed = run_on_ranks(_resume_job, 2, (tmp_path / "stopped", None, False), timeout=300)
-    assert resumed[0]["step"] == whole[0]["step"] == 12 and bitwise(resumed[0], whole[0])
-    assert bitwise(resumed[1], whole[1])
+    assert resumed[0]["step"] == whole[0]["step"] == 12 and same_bits(resumed[0], whole[0])
+    assert same_bits(resumed[1], whole[1])
 
     # The records of each loss agree too (the losses not yet agreed at the stop are each rank's own
     # in it).
@@ -325,7 +304,7 @@ def test_a_run_stopped_by_max_steps_resumes_both_models_and_optimizers_bitwise(t
     # Control: d's optimizer state lost at the resume gives another run.
     run_on_ranks(_resume_job, 2, (tmp_path / "forgot", 7, False), timeout=300)
     forgot = run_on_ranks(_resume_job, 2, (tmp_path / "forgot", None, True), timeout=300)
-    assert not bitwise(forgot[0], whole[0])
+    assert not same_bits(forgot[0], whole[0])
     # Every optimizer is in the run's record: a resume with the second optimizer's lr changed is
     # refused, naming it.
     refused = run_on_ranks(_changed_lr_job, 2, (tmp_path / "stopped",), timeout=300)
@@ -363,10 +342,10 @@ def test_a_resume_from_a_snapshot_before_an_optimizers_first_step_is_bitwise(tmp
     whole = run_on_ranks(_late_g_job, 2, (tmp_path / "whole", None, False), timeout=300)
     run_on_ranks(_late_g_job, 2, (tmp_path / "stopped", 2, False), timeout=300)
     resumed = run_on_ranks(_late_g_job, 2, (tmp_path / "stopped", None, False), timeout=300)
-    assert bitwise(resumed[0], whole[0]) and bitwise(resumed[1], whole[1])
+    assert same_bits(resumed[0], whole[0]) and same_bits(resumed[1], whole[1])
     run_on_ranks(_late_g_job, 2, (tmp_path / "control", 2, False), timeout=300)
     control = run_on_ranks(_late_g_job, 2, (tmp_path / "control", None, True), timeout=300)
-    assert not bitwise(control[0], whole[0])
+    assert not same_bits(control[0], whole[0])
 
 
 def _changed_lr_job(run_dir: Path) -> str:
@@ -425,7 +404,7 @@ def test_a_frozen_teacher_and_two_optimizers_over_one_model(tmp_path):
         "student": "DistributedDataParallel",
         "net": "DistributedDataParallel",
     }
-    assert ranks[0]["teacher_unchanged"] and ranks[0]["step"] == 8 and bitwise(ranks[0], ranks[1])
+    assert ranks[0]["teacher_unchanged"] and ranks[0]["step"] == 8 and same_bits(ranks[0], ranks[1])
     assert any(k.startswith("state.net.2.") and k.endswith("exp_avg") for k in ranks[0]["optim"])
     names = {"train/loss_student", "train/loss_body+head"}
     assert all(names <= set(r) for r in records(tmp_path, "train"))
@@ -540,10 +519,10 @@ def test_a_skip_by_one_of_two_optimizers_over_one_model_leaves_the_others_step(t
     calls = ranks[0]["calls"]
     assert [c[:2] for c in calls] == [(True, True), (True, True), (False, True), (True, True)]
     assert all(moved for _, _, moved in calls)
-    assert ranks[0]["skipped"] == ranks[1]["skipped"] == 1 and bitwise(ranks[0], ranks[1])
+    assert ranks[0]["skipped"] == ranks[1]["skipped"] == 1 and same_bits(ranks[0], ranks[1])
     # Control: the head stepped first gives the same run, bit for bit.
     head_first = run_on_ranks(_body_head_job, 2, (tmp_path / "head", ("head", "body")), timeout=300)
-    assert bitwise(head_first[0], ranks[0]) and head_first[0]["calls"] == ranks[0]["calls"]
+    assert same_bits(head_first[0], ranks[0]) and head_first[0]["calls"] == ranks[0]["calls"]
 
 
 def test_leaving_the_micro_batches_early_is_refused_on_every_rank(tmp_path):
@@ -557,7 +536,7 @@ def test_leaving_the_micro_batches_early_is_refused_on_every_rank(tmp_path):
     )
     # Control: the whole loop keeps the ranks' replicas equal.
     whole = run_on_ranks(_body_head_job, 2, (tmp_path / "w", ("body", "head"), 2))
-    assert bitwise(whole[0], whole[1]) and whole[0]["step"] == 2
+    assert same_bits(whole[0], whole[1]) and whole[0]["step"] == 2
 
 
 # --- the step function knows its step -------------------------------------------------------------
@@ -593,7 +572,7 @@ def test_a_step_functions_rhythm_by_step_step_resumes_bitwise(tmp_path, by):
     run_on_ranks(_rhythm_job, 2, (tmp_path / "stopped", 7, by), timeout=300)
     resumed = run_on_ranks(_rhythm_job, 2, (tmp_path / "stopped", None, by), timeout=300)
     # a counter of the script's own restarts at 0 in the resumed process: another rhythm
-    assert bitwise(resumed[0], whole[0]) == (by == "step")
+    assert same_bits(resumed[0], whole[0]) == (by == "step")
 
 
 # --- global-batch dropout in the step function ---------------------------------------------------

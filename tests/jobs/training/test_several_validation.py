@@ -5,7 +5,6 @@ SIGKILLed run resumed bit for bit with its validations and its metric-driven sch
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +15,10 @@ from torch import nn
 
 from ddpkit.data import build_eval_loader
 from ddpkit.distributed._collectives import all_gather_object
-from ddpkit.testing import run_job, run_on_ranks
+from ddpkit.testing import read_records, run_job, run_on_ranks
 from ddpkit.training import _evaluation
 from tests.jobs.scripts.several_val_job import build, data, metrics, models
+from tests.trainer_checks import same_bits
 
 JOB = Path(__file__).parents[1] / "scripts" / "several_val_job.py"
 VAL, TEST = data(13, 2), data(11, 3)  # sizes that do not divide by 2
@@ -96,8 +96,7 @@ def test_validation_and_evaluate_of_a_step_fn_trainer_count_every_sample_once(tm
 
 
 def records(run_dir: Path, kind: str) -> list[dict[str, Any]]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+    return [r for r in read_records(run_dir) if r["kind"] == kind]
 
 
 def _trained(run_dir: Path, val: bool, draw: bool = False) -> dict[str, torch.Tensor]:
@@ -138,19 +137,6 @@ def launch(tmp: Path, name: str, *args: str) -> list[dict[str, Any]]:
     return [torch.load(f"{tmp / name}.out.rank{r}", weights_only=False) for r in (0, 1)]
 
 
-def same_bits(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    def same(x: Any, y: Any) -> bool:
-        if isinstance(x, torch.Tensor):
-            return torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
-        return x == y
-
-    parts = ("model", "optim")
-    sa, sb = a["strategy"], b["strategy"]
-    return all(sa[p].keys() == sb[p].keys() for p in parts) and all(
-        same(sa[p][k], sb[p][k]) for p in parts for k in sa[p]
-    )
-
-
 def val_records(run_dir: Path) -> list[tuple[int, float, float]]:
     return [(r["step"], r["val/d_loss"], r["val/fake_score"]) for r in records(run_dir, "val")]
 
@@ -167,7 +153,9 @@ def test_a_killed_step_fn_run_with_validation_resumes_bitwise(tmp_path):
     killed = launch(tmp_path, "killed", "--kill-step", "7")
     assert killed[0]["attempt"] == 1 and killed[0]["resumed_from"] == 6
     for rank in (0, 1):
-        assert same_bits(killed[rank], whole[rank]), f"rank {rank}"
+        assert same_bits(killed[rank]["strategy"], whole[rank]["strategy"], "model", "optim"), (
+            f"rank {rank}"
+        )
     assert val_records(tmp_path / "killed") == val_records(tmp_path / "whole")
     best = [torch.load(tmp_path / n / "best.pt", weights_only=True) for n in ("whole", "killed")]
     assert best[0]["step"] == best[1]["step"] and best[0]["value"] == best[1]["value"]
@@ -175,4 +163,4 @@ def test_a_killed_step_fn_run_with_validation_resumes_bitwise(tmp_path):
     # halved at step 10, not 8.
     forgot = launch(tmp_path, "forgot", "--kill-step", "7", "--forget-plateau")
     assert forgot[0]["resumed_from"] == 6 and forgot[0]["lr_d"] == 5e-2 / 4
-    assert not same_bits(forgot[0], whole[0])
+    assert not same_bits(forgot[0]["strategy"], whole[0]["strategy"], "model", "optim")

@@ -14,7 +14,8 @@ import torch
 
 import ddpkit
 from ddpkit.strategies._ddp import stepped_parameters as _stepped_parameters
-from tests.jobs.scripts.train_job import N_SAMPLES, train
+from ddpkit.testing import read_records, run_on_ranks
+from tests.jobs.scripts.train_job import N_SAMPLES, train, train_on_ranks
 from tests.trainer_checks import (
     assert_each_sample_once,
     bitwise_equal,
@@ -23,19 +24,14 @@ from tests.trainer_checks import (
 )
 
 
-def run(world: int, run_dir: Path, **kwargs) -> dict:
-    """Train the test job on ``world`` ranks; rank 0's final state."""
-    return ddpkit.spawn(functools.partial(train, str(run_dir), **kwargs), world)[0]
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
-    """Uninterrupted 2-rank runs, with the same hooks as the runs compared against them."""
+    """An uninterrupted 2-rank run, with the same sample log as the runs compared against it
+    (``ddp_reference``: the same with global-batch dropout)."""
     base = tmp_path_factory.mktemp("reference")
     (base / "log").mkdir()
     return {
-        "plain": run(2, base / "plain", sample_log=str(base / "log")),
-        "global_dropout": run(2, base / "global", global_dropout=True),
+        "plain": train_on_ranks(2, base / "plain", sample_log=str(base / "log")),
         "log": base / "log",
     }
 
@@ -43,18 +39,20 @@ def reference(tmp_path_factory) -> dict:
 def test_n_ranks_train_the_same_model_as_one_process(tmp_path):
     # SyncBatchNorm and global-batch dropout make every rank's share of the work the same as one
     # process's.
-    one = run(1, tmp_path / "w1", global_dropout=True)
+    one = train_on_ranks(1, tmp_path / "w1", global_dropout=True)
     for world in (2, 3):
-        diff = max_rel_diff(run(world, tmp_path / f"w{world}", global_dropout=True), one)
+        diff = max_rel_diff(train_on_ranks(world, tmp_path / f"w{world}", global_dropout=True), one)
         print(f"{world} ranks vs 1 process: largest relative weight difference {diff:.2e}")
         assert diff < 1e-5
     # Controls: BatchNorm over each rank's slice, or dropout masks drawn per rank, give another
     # model.
     assert (
-        max_rel_diff(run(2, tmp_path / "no_sync", global_dropout=True, sync_batchnorm=False), one)
+        max_rel_diff(
+            train_on_ranks(2, tmp_path / "no_sync", global_dropout=True, sync_batchnorm=False), one
+        )
         > 1e-2
     )
-    assert max_rel_diff(run(2, tmp_path / "rank_dropout"), one) > 1e-2
+    assert max_rel_diff(train_on_ranks(2, tmp_path / "rank_dropout"), one) > 1e-2
 
 
 def _equal_rank_weights(trainer) -> None:
@@ -66,26 +64,26 @@ def _equal_rank_weights(trainer) -> None:
 def test_an_uneven_last_batch_trains_the_same_model_as_one_process(tmp_path):
     # 229 samples in global batches of 24: the last one has 13, split 7/6 on 2 ranks and 5/4/4 on 3.
     uneven = dict(n_samples=229, drop_last=False, global_dropout=True)
-    one = run(1, tmp_path / "w1", **uneven)
+    one = train_on_ranks(1, tmp_path / "w1", **uneven)
     assert one["step"] == 3 * 10
     for world in (2, 3):
-        diff = max_rel_diff(run(world, tmp_path / f"w{world}", **uneven), one)
+        diff = max_rel_diff(train_on_ranks(world, tmp_path / f"w{world}", **uneven), one)
         print(
             f"{world} ranks vs 1 process, uneven last batch: largest relative weight difference "
             f"{diff:.2e}"
         )
         assert diff < 1e-5
     control = max_rel_diff(
-        run(2, tmp_path / "equal", trainer_hook=_equal_rank_weights, **uneven), one
+        train_on_ranks(2, tmp_path / "equal", trainer_hook=_equal_rank_weights, **uneven), one
     )
     print(f"control, each rank's mean counted alike: {control:.2e}")
     assert control > 1e-3
     # Two micro-batches a step: 235 samples make micro-batches of 12 and a last one of 7 (4/3,
     # 3/2/2), so the epoch's last step weighs a full micro-batch against a short one.
     accum = dict(n_samples=235, drop_last=False, global_dropout=True, grad_accum=2)
-    one = run(1, tmp_path / "a1", **accum)
+    one = train_on_ranks(1, tmp_path / "a1", **accum)
     for world in (2, 3):
-        diff = max_rel_diff(run(world, tmp_path / f"a{world}", **accum), one)
+        diff = max_rel_diff(train_on_ranks(world, tmp_path / f"a{world}", **accum), one)
         print(f"{world} ranks vs 1 process, uneven last micro-batch of two: {diff:.2e}")
         assert diff < 1e-5
 
@@ -93,9 +91,9 @@ def test_an_uneven_last_batch_trains_the_same_model_as_one_process(tmp_path):
 def test_stop_and_resume_is_bitwise_and_trains_each_sample_once(tmp_path, reference):
     log = tmp_path / "log"
     log.mkdir()
-    first = run(2, tmp_path / "run", max_steps=13, sample_log=str(log))
+    first = train_on_ranks(2, tmp_path / "run", max_steps=13, sample_log=str(log))
     assert first["step"] == 13 and first["stopped_by"] == "max_steps"
-    final = run(2, tmp_path / "run", sample_log=str(log))
+    final = train_on_ranks(2, tmp_path / "run", sample_log=str(log))
     assert final["resumed_from"] == 13
     assert bitwise_equal(final, reference["plain"])
     # Both runs are attempt 0: the first stopped cleanly at step 13 and the second took over there.
@@ -106,8 +104,8 @@ def test_stop_and_resume_is_bitwise_and_trains_each_sample_once(tmp_path, refere
 def test_controls_a_resume_missing_state_is_caught(tmp_path, reference, drop):
     log = tmp_path / "log"
     log.mkdir()
-    run(2, tmp_path / "run", max_steps=13, sample_log=str(log))
-    final = run(2, tmp_path / "run", drop=drop, sample_log=str(log))
+    train_on_ranks(2, tmp_path / "run", max_steps=13, sample_log=str(log))
+    final = train_on_ranks(2, tmp_path / "run", drop=drop, sample_log=str(log))
     assert final["resumed_from"] == 13
     assert not bitwise_equal(final, reference["plain"]), f"leaving out {drop} went unnoticed"
     if drop == "cursor":  # the epoch restarts: its first steps' samples are trained on twice
@@ -116,18 +114,18 @@ def test_controls_a_resume_missing_state_is_caught(tmp_path, reference, drop):
 
 
 @pytest.mark.parametrize("world", [1, 3])
-def test_resume_at_another_world_size(tmp_path, reference, world):
-    run(2, tmp_path / "run", max_steps=13, global_dropout=True)
-    final = run(world, tmp_path / "run", global_dropout=True)
-    assert final["resumed_from"] == 13 and final["step"] == reference["global_dropout"]["step"]
-    diff = max_rel_diff(final, reference["global_dropout"])
+def test_resume_at_another_world_size(tmp_path, ddp_reference, world):
+    train_on_ranks(2, tmp_path / "run", max_steps=13, global_dropout=True)
+    final = train_on_ranks(world, tmp_path / "run", global_dropout=True)
+    assert final["resumed_from"] == 13 and final["step"] == ddp_reference["step"]
+    diff = max_rel_diff(final, ddp_reference)
     print(f"stopped at 2 ranks, resumed at {world}: largest relative weight difference {diff:.2e}")
     assert diff < 1e-5
 
 
 def test_rerun_with_the_same_max_steps_trains_no_further(tmp_path):
-    first = run(2, tmp_path / "run", max_steps=4)
-    again = run(2, tmp_path / "run", max_steps=4)
+    first = train_on_ranks(2, tmp_path / "run", max_steps=4)
+    again = train_on_ranks(2, tmp_path / "run", max_steps=4)
     assert again["resumed_from"] == 4 and again["step"] == 4 and bitwise_equal(again, first)
     assert sorted(
         p.parent.name for p in (tmp_path / "run" / "snapshots").glob("*/complete.json")
@@ -138,9 +136,9 @@ def test_rerun_with_the_same_max_steps_trains_no_further(tmp_path):
 
 
 def test_resume_refuses_another_global_batch(tmp_path):
-    run(2, tmp_path / "run", max_steps=4)
+    train_on_ranks(2, tmp_path / "run", max_steps=4)
     with pytest.raises(Exception, match="global_batch_size"):
-        run(2, tmp_path / "run", global_batch=12)
+        train_on_ranks(2, tmp_path / "run", global_batch=12)
 
 
 def _error_of(run_dir: str, **kwargs) -> str:
@@ -164,7 +162,7 @@ def _error_of(run_dir: str, **kwargs) -> str:
     ],
 )
 def test_nonfinite_loss_stops_every_rank_at_the_same_step(tmp_path, what, options):
-    errors = ddpkit.spawn(
+    errors = run_on_ranks(
         functools.partial(_error_of, str(tmp_path / "stop"), event=(what, 1, 5), **options), 2
     )
     for error in errors:  # both ranks raise, at the same step, knowing that it was rank 1's loss
@@ -176,16 +174,17 @@ def test_control_a_nonfinite_loss_with_finite_gradients_needs_the_nan_gradient(
     tmp_path, monkeypatch, what
 ):
     # Without the NaN put into a gradient, the all-reduced gradients look healthy and every rank
-    # trains on through rank 1's non-finite loss. (spawn forks, so the children see the patch.)
+    # trains on through rank 1's non-finite loss. (run_on_ranks forks, so the children see the
+    # patch.)
     monkeypatch.setattr(
         ddpkit.strategies._ddp, "nan_gradient_if_nonfinite", lambda loss, anchor, on_host: loss
     )
-    out = run(2, tmp_path / "run", event=(what, 1, 5), epochs=1)
+    out = train_on_ranks(2, tmp_path / "run", event=(what, 1, 5), epochs=1)
     assert out["step"] == 10 and out["skipped_steps"] == 0
 
 
 def test_nonfinite_loss_skip_skips_the_step_everywhere(tmp_path):
-    out = ddpkit.spawn(
+    out = run_on_ranks(
         functools.partial(train, str(tmp_path / "skip"), event=("nan", 1, 5), on_nonfinite="skip"),
         2,
     )
@@ -199,13 +198,13 @@ def test_signal_on_one_rank_saves_and_stops_all_then_resumes_bitwise(tmp_path, r
     # Rank 1 gets SIGUSR1 during step 6; ranks agree every 4 steps, so both save and stop after
     # step 8.
     job = functools.partial(train, str(tmp_path / "run"), event=("signal", 1, 5), log_every_steps=4)
-    stopped = ddpkit.spawn(job, 2)
+    stopped = run_on_ranks(job, 2)
     assert [o["stopped_by"] for o in stopped] == ["signal", "signal"]
     # fit() raised ddpkit.Preempted on both ranks
     assert [o["preempted"] for o in stopped] == [75, 75]
     assert [o["step"] for o in stopped] == [8, 8]
     assert (tmp_path / "run" / "snapshots" / "step-00000008" / "complete.json").exists()
-    final = run(2, tmp_path / "run")
+    final = train_on_ranks(2, tmp_path / "run")
     assert final["resumed_from"] == 8 and bitwise_equal(final, reference["plain"])
 
 
@@ -240,10 +239,10 @@ def _accumulation_job(run_dir: str, grad_accum: int) -> tuple[dict, int]:
 
 def test_gradient_accumulation_matches_a_larger_batch_and_syncs_once_per_step(tmp_path):
     # 24 samples per step either way: one micro-batch of 12 per rank, or four of 3 under no_sync.
-    (big, syncs_big), _ = ddpkit.spawn(
+    (big, syncs_big), _ = run_on_ranks(
         functools.partial(_accumulation_job, str(tmp_path / "a"), 1), 2
     )
-    (acc, syncs_acc), _ = ddpkit.spawn(
+    (acc, syncs_acc), _ = run_on_ranks(
         functools.partial(_accumulation_job, str(tmp_path / "b"), 4), 2
     )
     assert big["step"] == acc["step"] == 10
@@ -253,7 +252,7 @@ def test_gradient_accumulation_matches_a_larger_batch_and_syncs_once_per_step(tm
 
 
 def test_bf16_trains_on_cpu(tmp_path):
-    out = run(2, tmp_path / "bf16", precision="bf16", epochs=1)
+    out = train_on_ranks(2, tmp_path / "bf16", precision="bf16", epochs=1)
     assert out["step"] == 10 and all(torch.isfinite(v).all() for v in out["model"].values())
 
 
@@ -269,16 +268,14 @@ def test_fp16_overflow_steps_are_skipped_alike_on_every_rank_and_resume_bitwise(
     # A start scale of 2**20 overflows fp16 gradients: the scaler lowers it and those steps are not
     # taken, on both ranks alike, without being mistaken for a non-finite loss.
     job = functools.partial(train, precision="fp16", epochs=2, trainer_hook=_start_scale(2.0**20))
-    whole = ddpkit.spawn(functools.partial(job, str(tmp_path / "whole")), 2)
-    records = [
-        json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()
-    ]
+    whole = run_on_ranks(functools.partial(job, str(tmp_path / "whole")), 2)
+    records = read_records(tmp_path / "whole")
     overflows = [r for r in records if r.get("event") == "fp16_overflow"]
     assert 0 < len(overflows) < 10 and whole[0]["skipped_steps"] == 0
     assert whole[0]["step"] == 20 - len(overflows) and whole[0]["scale"] < 2.0**20
     assert bitwise_equal(whole[0], whole[1])
     # Stopped and resumed, the scale and its growth tracker come back with the snapshot.
-    run(
+    train_on_ranks(
         2,
         tmp_path / "resumed",
         max_steps=8,
@@ -286,7 +283,7 @@ def test_fp16_overflow_steps_are_skipped_alike_on_every_rank_and_resume_bitwise(
         epochs=2,
         trainer_hook=_start_scale(2.0**20),
     )
-    resumed = run(
+    resumed = train_on_ranks(
         2, tmp_path / "resumed", precision="fp16", epochs=2, trainer_hook=_start_scale(2.0**20)
     )
     assert resumed["resumed_from"] == 8 and resumed["scale"] == whole[0]["scale"]
@@ -294,7 +291,9 @@ def test_fp16_overflow_steps_are_skipped_alike_on_every_rank_and_resume_bitwise(
 
 
 def test_early_stopping_and_run_directory(tmp_path):
-    out = run(2, tmp_path / "run", epochs=30, early_stopping_patience=1, snapshot_every_steps=None)
+    out = train_on_ranks(
+        2, tmp_path / "run", epochs=30, early_stopping_patience=1, snapshot_every_steps=None
+    )
     assert out["stopped_by"] == "early_stopping" and out["epoch"] < 30
     rundir = tmp_path / "run"
     config = json.loads((rundir / "config.json").read_text())
@@ -303,14 +302,12 @@ def test_early_stopping_and_run_directory(tmp_path):
         and config["per_rank_batch"] == 12
         and config["early_stopping"]["patience"] == 1
     )
-    kinds = [
-        json.loads(line)["kind"] for line in (rundir / "metrics.jsonl").read_text().splitlines()
-    ]
+    kinds = [r["kind"] for r in read_records(rundir)]
     assert kinds.count("epoch") == out["epoch"]
     rows = (rundir / "epochs.csv").read_text().splitlines()
     assert rows[0].split(",")[:3] == ["epoch", "step", "lr"] and len(rows) == out["epoch"] + 1
     # a rerun resumes the finished state and trains no further
-    again = run(
+    again = train_on_ranks(
         2, tmp_path / "run", epochs=30, early_stopping_patience=1, snapshot_every_steps=None
     )
     assert again["step"] == out["step"] and bitwise_equal(again, out)
@@ -319,7 +316,7 @@ def test_early_stopping_and_run_directory(tmp_path):
 def test_tensorboard_gets_the_training_and_validation_scalars(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    run(
+    train_on_ranks(
         1,
         tmp_path / "run",
         epochs=2,
@@ -342,9 +339,7 @@ def test_tensorboard_gets_the_training_and_validation_scalars(tmp_path):
     assert expected | {"val/accuracy"} == set(scalars)  # no events, no axes, no per-rank lists
     # one per epoch, at its last step
     assert [e.step for e in events.Scalars("val/loss")] == [10, 20]
-    jsonl = [
-        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    ]
+    jsonl = read_records(tmp_path / "run")
     train = [r["train/loss"] for r in jsonl if r["kind"] == "train"]
     assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(train)
 
@@ -368,7 +363,7 @@ def _stepped_names() -> list[str]:
 def test_the_step_verdict_reads_only_parameters_that_are_stepped_and_all_reduced():
     # Left out: a frozen bias, a weight DDP ignores (each rank's own gradient), one outside the
     # optimizer.
-    assert ddpkit.spawn(_stepped_names, 1) == [["0.weight", "1.bias", "2.weight"]]
+    assert run_on_ranks(_stepped_names, 1) == [["0.weight", "1.bias", "2.weight"]]
 
 
 JOB = str(Path(__file__).parents[1] / "scripts" / "train_job.py")
@@ -398,7 +393,9 @@ def test_a_stop_signal_exits_75_after_the_snapshot_unless_the_script_asks_for_a_
 
 
 def test_the_best_weights_are_kept_apart_and_load_outside_ddpkit(tmp_path, capfd):
-    out = run(2, tmp_path / "run", epochs=30, early_stopping_patience=2, snapshot_every_steps=None)
+    out = train_on_ranks(
+        2, tmp_path / "run", epochs=30, early_stopping_patience=2, snapshot_every_steps=None
+    )
     rows = [line.split(",") for line in (tmp_path / "run" / "epochs.csv").read_text().splitlines()]
     header, rows = rows[0], rows[1:]
     losses = [float(r[header.index("val/loss")]) for r in rows]
@@ -474,7 +471,7 @@ def _hooked(run_dir: str, max_steps: int | None) -> list[tuple]:
 
 
 def test_each_callback_hook_is_called_on_every_rank_in_order(tmp_path):
-    calls = ddpkit.spawn(functools.partial(_hooked, str(tmp_path / "run"), 4), 2)
+    calls = run_on_ranks(functools.partial(_hooked, str(tmp_path / "run"), 4), 2)
     assert calls[0] == calls[1]  # the same hooks, with the same values, on both ranks
     assert calls[0] == [
         ("fit_start", 0, 0),
@@ -483,7 +480,7 @@ def test_each_callback_hook_is_called_on_every_rank_in_order(tmp_path):
     ]
     # Resumed at step 4: on_fit_start sees the restored position; a callback ends training after
     # epoch 2.
-    calls = ddpkit.spawn(functools.partial(_hooked, str(tmp_path / "run"), None), 2)
+    calls = run_on_ranks(functools.partial(_hooked, str(tmp_path / "run"), None), 2)
     assert calls[0] == calls[1]
     kinds = [c[0] for c in calls[0]]
     assert calls[0][0] == ("fit_start", 0, 4) and kinds.count("step_end") == 16
@@ -500,7 +497,7 @@ def _signal_before_fit(trainer) -> None:
 
 
 def test_a_stop_signal_before_fit_is_held_and_stops_every_rank_in_fit(tmp_path):
-    results = ddpkit.spawn(
+    results = run_on_ranks(
         functools.partial(
             train, str(tmp_path / "run"), trainer_hook=_signal_before_fit, log_every_steps=4
         ),
@@ -532,11 +529,11 @@ def test_a_stop_signal_after_the_last_agreement_is_passed_on_not_lost(tmp_path, 
     """Training ends as planned on both ranks, and rank 1's signal is held for what runs next (a
     search's next candidate stops at once; a SIGTERM ends the process). Control: with nothing passed
     on, it is lost."""
-    results = ddpkit.spawn(functools.partial(_train_then_pending, str(tmp_path / "run")), 2)
+    results = run_on_ranks(functools.partial(_train_then_pending, str(tmp_path / "run")), 2)
     assert results == [("epochs", None), ("epochs", "SIGUSR1")]
     from ddpkit.distributed import _signals as signals
 
     # fork: the children get the patched module
     monkeypatch.setattr(signals, "pass_on", lambda signum: None)
-    lost = ddpkit.spawn(functools.partial(_train_then_pending, str(tmp_path / "control")), 2)
+    lost = run_on_ranks(functools.partial(_train_then_pending, str(tmp_path / "control")), 2)
     assert lost == [("epochs", None), ("epochs", None)]

@@ -5,8 +5,6 @@ under resume=False."""
 from __future__ import annotations
 
 import functools
-import json
-import os
 import shutil
 from pathlib import Path
 
@@ -14,22 +12,17 @@ import pytest
 import torch
 
 import ddpkit
-from ddpkit.testing import run_job as launch
-from tests.jobs.scripts.train_job import train
-from tests.jobs.snapshot.test_memory_snapshots import job_env, plain_reference, run_job  # noqa: F401  (fixtures)
+from ddpkit.testing import read_records, run_job, run_on_ranks
+from tests.jobs.scripts.train_job import train, train_on_ranks
+from tests.jobs.snapshot import memory_jobs
 from tests.trainer_checks import bitwise_equal
-
-
-def run(world: int, run_dir: Path, **kwargs) -> dict:
-    return ddpkit.spawn(functools.partial(train, str(run_dir), **kwargs), world)[0]
 
 
 def epoch_losses(run_dir: Path) -> dict[int, float]:
     """Epoch -> its train/epoch_loss, over every run of ``run_dir`` (each epoch is recorded
     once)."""
     found = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
+    for rec in read_records(run_dir):
         if rec["kind"] == "epoch":
             assert rec["epoch"] not in found, f"epoch {rec['epoch']} recorded twice"
             found[rec["epoch"]] = rec["train/epoch_loss"]
@@ -38,11 +31,11 @@ def epoch_losses(run_dir: Path) -> dict[int, float]:
 
 def test_the_epoch_loss_of_a_run_resumed_inside_an_epoch_is_the_uninterrupted_runs(tmp_path):
     # 10 steps an epoch, snapshots every 3 steps, the loss agreed every 20 steps and at epoch ends.
-    reference = run(2, tmp_path / "whole")
+    reference = train_on_ranks(2, tmp_path / "whole")
     whole = epoch_losses(tmp_path / "whole")
     # Stopped at step 13 (the stop agrees the loss of steps 11-13 first), resumed there.
-    first = run(2, tmp_path / "stopped", max_steps=13)
-    final = run(2, tmp_path / "stopped")
+    first = train_on_ranks(2, tmp_path / "stopped", max_steps=13)
+    final = train_on_ranks(2, tmp_path / "stopped")
     assert first["step"] == 13 and final["resumed_from"] == 13
     stopped = epoch_losses(tmp_path / "stopped")
     print(f"epoch 2: uninterrupted {whole[2]!r}, resumed at step 13 {stopped[2]!r}")
@@ -52,9 +45,9 @@ def test_the_epoch_loss_of_a_run_resumed_inside_an_epoch_is_the_uninterrupted_ru
     # Resumed from step 12's snapshot, taken between two agreements (as after a crash at step
     # 13): each rank's losses of steps 11-12 come back, and the agreement at step 20 sums the same
     # values: bitwise.
-    run(2, tmp_path / "crashed", max_steps=13)
+    train_on_ranks(2, tmp_path / "crashed", max_steps=13)
     shutil.rmtree(tmp_path / "crashed" / "snapshots" / "step-00000013")
-    final = run(2, tmp_path / "crashed")
+    final = train_on_ranks(2, tmp_path / "crashed")
     assert final["resumed_from"] == 12 and bitwise_equal(final, reference)
     crashed = epoch_losses(tmp_path / "crashed")
     print(f"epoch 2 resumed at step 12: {crashed[2]!r}")
@@ -121,17 +114,17 @@ def _with_state(run_dir: str, keep_state: bool, max_steps: int | None) -> dict:
 
 
 def test_each_rank_gets_its_own_callback_and_extra_state_back_on_resume(tmp_path):
-    stopped = ddpkit.spawn(functools.partial(_with_state, str(tmp_path / "run"), True, 13), 2)
+    stopped = run_on_ranks(functools.partial(_with_state, str(tmp_path / "run"), True, 13), 2)
     assert [s["best"] for s in stopped] == [100.0 / 13, 1000.0 + 100.0 / 13]
     assert [s["h"].tolist() for s in stopped] == [[13.0] * 3, [26.0] * 3]
-    resumed = ddpkit.spawn(functools.partial(_with_state, str(tmp_path / "run"), True, None), 2)
+    resumed = run_on_ranks(functools.partial(_with_state, str(tmp_path / "run"), True, None), 2)
     for rank in (0, 1):
         assert resumed[rank]["started_with"] == stopped[rank]["best"]  # its own, not rank 0's
         assert torch.equal(resumed[rank]["h0"], stopped[rank]["h"])
         assert torch.equal(resumed[rank]["h"], torch.full((3,), 30.0 * (rank + 1)))
     # Control: without the route, the callback starts afresh and the hidden state from zero.
-    ddpkit.spawn(functools.partial(_with_state, str(tmp_path / "control"), False, 13), 2)
-    lost = ddpkit.spawn(functools.partial(_with_state, str(tmp_path / "control"), False, None), 2)
+    run_on_ranks(functools.partial(_with_state, str(tmp_path / "control"), False, 13), 2)
+    lost = run_on_ranks(functools.partial(_with_state, str(tmp_path / "control"), False, None), 2)
     assert [s["started_with"] for s in lost] == [float("inf")] * 2
     assert all(torch.equal(s["h0"], torch.zeros(3)) for s in lost)
 
@@ -174,7 +167,7 @@ REPO = Path(__file__).parents[3]
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_restarted_worker_resumes_its_own_run_under_resume_false(tmp_path):
+def test_a_restarted_worker_resumes_its_own_run_under_resume_false(tmp_path, user_env):
     # The job asks for a fresh start (resume=False); rank 0 is SIGKILLed at step 7 of its first
     # attempt, and the restarted workers must go on from the snapshot at step 6, not move it aside
     # and train from step 0.
@@ -185,33 +178,31 @@ def test_a_restarted_worker_resumes_its_own_run_under_resume_false(tmp_path):
         "resume=False, kill_rank=0, kill_step=7, kill_after_write=True, "
         f"out={str(tmp_path / 'out.pt')!r})\nddpkit.shutdown()\n"
     )
-    # the launcher's own choice
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    proc = launch(script, nproc=2, launcher_args=("--max-restarts", "1"), env=env, timeout=240)
+    # the launcher's own choice of threads
+    proc = run_job(
+        script, nproc=2, launcher_args=("--max-restarts", "1"), env=user_env, timeout=240
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     final = torch.load(tmp_path / "out.pt", weights_only=False)
     assert final["attempt"] == 1 and final["resumed_from"] == 6, (
         final["attempt"],
         final["resumed_from"],
     )
-    assert bitwise_equal(final, run(2, tmp_path / "reference"))
+    assert bitwise_equal(final, train_on_ranks(2, tmp_path / "reference"))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_epoch_loss_after_a_resume_from_memory_is_the_uninterrupted_runs(
-    tmp_path,
-    job_env,  # noqa: F811
-    plain_reference,  # noqa: F811
+    tmp_path, memory_env, memory_reference
 ):
     # Copies in memory after every step, none on disk: rank 1 is SIGKILLed just after step 13 (in
     # step 14, or in a copy); the copy resumed from holds each rank's losses since step 10's
     # agreement (not yet agreed on), and the agreement at step 20 sums the same values.
-    final, _ = run_job(
-        tmp_path, "killed", "--kill-rank", "1", "--kill-after-step", "13", env=job_env
-    )
+    kill = ("--kill-rank", "1", "--kill-after-step", "13")
+    final, _ = memory_jobs.run(tmp_path, "killed", *kill, env=memory_env)
     assert final["attempt"] == 1 and 10 < final["resumed_from"] < 20, final["resumed_from"]
-    whole = epoch_losses(plain_reference / "reference")
+    whole = epoch_losses(memory_reference / "reference")
     killed = epoch_losses(tmp_path / "killed")
     print(
         f"epoch 2: uninterrupted {whole[2]!r}, resumed at step {final['resumed_from']} "
@@ -267,10 +258,10 @@ def _stop_at_two_then(tmp_path: Path, policy: str) -> list[dict]:
     """Resume at 3 ranks, under ``policy``, a copy of a run stopped at step 3 on 2 ranks."""
     stopped = tmp_path / "stopped"
     if not stopped.exists():
-        first = ddpkit.spawn(functools.partial(_second_model, str(stopped), 3, "refuse"), 2)
+        first = run_on_ranks(functools.partial(_second_model, str(stopped), 3, "refuse"), 2)
         assert all(torch.equal(s["started"], torch.zeros(2, 2)) for s in first)
     shutil.copytree(stopped, tmp_path / policy)
-    return ddpkit.spawn(functools.partial(_second_model, str(tmp_path / policy), None, policy), 3)
+    return run_on_ranks(functools.partial(_second_model, str(tmp_path / policy), None, policy), 3)
 
 
 @pytest.mark.slow

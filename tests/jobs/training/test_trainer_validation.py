@@ -4,47 +4,30 @@
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-import ddpkit
-from ddpkit.testing import run_job
-from tests.jobs.scripts.train_job import build_model, train
+from ddpkit.testing import read_records, run_on_ranks
+from tests.jobs.scripts.train_job import build_model, train, under_launcher
 from tests.trainer_checks import bitwise_equal
 
 JOB = str(Path(__file__).parents[1] / "scripts" / "train_job.py")
 
 
-def records(run_dir: Path, kind: str) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["kind"] == kind]
-
-
 def val_by_step(run_dir: Path) -> dict[int, dict]:
     """The ``val`` records by step; a step validated again after a resume keeps its last record (the
     values must be the same: the test compares them with an uninterrupted run's)."""
-    return {r["step"]: {k: v for k, v in r.items() if k != "time"} for r in records(run_dir, "val")}
+    return {
+        r["step"]: {k: v for k, v in r.items() if k != "time"}
+        for r in read_records(run_dir)
+        if r["kind"] == "val"
+    }
 
 
-def launch(tmp: Path, name: str, *job_args: str) -> dict:
-    """The test job on 2 ranks under ``ddpkit run`` (restarts allowed); rank 0's final state."""
-    (tmp / f"{name}-marks").mkdir()
-    job = (
-        str(tmp / name),
-        "--sample-log",
-        str(tmp / f"{name}-marks"),
-        "--out",
-        str(tmp / f"{name}.pt"),
-        *job_args,
-    )
-    proc = run_job(JOB, *job, launcher_args=("--max-restarts", "1"), timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(tmp / f"{name}.pt", weights_only=False)
-
-
+# the test job on 2 ranks under ddpkit run, one restart allowed; its samples logged to NAME-marks
+UNDER_LAUNCHER = {"env": None, "restarts": 1, "timeout": 180, "sample_log": "marks"}
 VAL = ("--val-every-steps", "3", "--patience", "2", "--epochs", "6")
 
 
@@ -58,7 +41,7 @@ def _best(run_dir: Path) -> dict:
 def test_a_killed_run_validates_at_the_same_steps_and_picks_the_same_best_as_an_uninterrupted_one(
     tmp_path,
 ):
-    whole = launch(tmp_path, "whole", *VAL)
+    whole = under_launcher(tmp_path, "whole", *VAL, **UNDER_LAUNCHER)[0]
     expected = val_by_step(tmp_path / "whole")
     # every 3 steps, across epoch ends
     assert sorted(expected) == list(range(3, whole["step"] + 1, 3))
@@ -72,7 +55,7 @@ def test_a_killed_run_validates_at_the_same_steps_and_picks_the_same_best_as_an_
     # Killed (SIGKILL, rank 1) right after the first validation without improvement and its step's
     # snapshot were written: the restart resumes from that step, with that validation counted.
     kill = ("--kill-rank", "1", "--kill-step", str(best["step"] + 3), "--kill-after-write")
-    killed = launch(tmp_path, "killed", *VAL, *kill)
+    killed = under_launcher(tmp_path, "killed", *VAL, *kill, **UNDER_LAUNCHER)[0]
     assert list((tmp_path / "killed-marks").glob("killed-*")) and killed["attempt"] == 1
     assert killed["resumed_from"] == best["step"] + 3
     assert val_by_step(tmp_path / "killed") == expected
@@ -85,7 +68,9 @@ def test_a_killed_run_validates_at_the_same_steps_and_picks_the_same_best_as_an_
     assert bitwise_equal(killed, whole)
     # Control: a resume that leaves early stopping's state out forgets the validation without
     # improvement before the kill, and stops later than the uninterrupted run.
-    control = launch(tmp_path, "control", *VAL, *kill, "--drop", "early_stopping")
+    control = under_launcher(
+        tmp_path, "control", *VAL, *kill, "--drop", "early_stopping", **UNDER_LAUNCHER
+    )[0]
     assert control["resumed_from"] == best["step"] + 3 and control["step"] > whole["step"]
     assert val_by_step(tmp_path / "control") != expected
 
@@ -108,7 +93,7 @@ def _strict_load(path: Path):
 )
 def test_the_final_and_best_weights_files_load_strictly_into_a_plain_model(tmp_path, strategy):
     pytest.importorskip("safetensors")
-    out = ddpkit.spawn(
+    out = run_on_ranks(
         functools.partial(
             train,
             str(tmp_path / "run"),
@@ -161,9 +146,9 @@ def _with_outputs(run_dir: str) -> list[dict]:
 
 
 def test_on_step_end_gets_the_ranks_own_loss_the_lr_and_the_global_grad_norm(tmp_path):
-    r0, r1 = ddpkit.spawn(functools.partial(_with_outputs, str(tmp_path / "run")), 2)
+    r0, r1 = run_on_ranks(functools.partial(_with_outputs, str(tmp_path / "run")), 2)
     assert [o["step"] for o in r0] == list(range(1, 11)) and all(o["taken"] for o in r0)
-    train_records = {r["step"]: r for r in records(tmp_path / "run", "train")}
+    train_records = {r["step"]: r for r in read_records(tmp_path / "run") if r["kind"] == "train"}
     for a, b in zip(r0, r1):
         # Each rank's loss is its own (no collective): they differ, and their sample-weighted mean
         # is the agreed mean the train record holds (logged every step here).

@@ -67,20 +67,3 @@ def test_a_gpu_rank_binds_its_process_group_to_its_own_gpu(monkeypatch):
     # Control: on the CPU (gloo) nothing is bound.
     call = _init_calls(monkeypatch, None, cuda=False)
     assert call["backend"] == "gloo" and "device_id" not in call
-
-
-@pytest.mark.gpu
-def test_on_a_gpu_the_default_group_is_bound_to_the_ranks_gpu():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    found = ddpkit.spawn(_bound_device_id, 1)[0]
-    assert found == (str(torch.device("cuda", 0)), 1.0)
-
-
-def _bound_device_id() -> tuple[str, float]:
-    import torch.distributed as dist
-
-    rt = ddpkit.init()
-    one = torch.ones(1, device=rt.device)
-    dist.all_reduce(one)  # the bound NCCL group really reduces
-    return str(dist.group.WORLD.bound_device_id), one.item()

@@ -1,24 +1,21 @@
-"""torchrun's and CPython's private steps that ddpkit's launcher overrides: where one is not as
-ddpkit relies on, the feature it serves is turned off with one warning naming it and the version,
-and the job runs as torchrun would run it, each rank's output where the user asked for it.
-
-The jobs below run ``ddpkit run`` in a launcher whose torch is rewritten first, from torch's own
-source, as a release that renamed or changed the internal would be (``REWRITE``): the real process
-context, agent and workers run, only the name differs.
+"""torchrun's and CPython's private steps that ddpkit's launcher overrides, in one process each:
+the override used where the step is as ddpkit relies on, each internal checked on this torch and
+Python, a process ended at once flushing its files, and each change (``torch_changes.py``) named by
+its check with the version. The jobs run under such changes are in
+``tests/jobs/internals/test_internals_elastic.py``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 
-from ddpkit._internals import contract, elastic, interpreter
+from ddpkit._internals import elastic, interpreter
+from tests.unit.internals.torch_changes import REWRITE, TORCH_CHANGES
 
 pytestmark = [
     pytest.mark.heavy,
@@ -26,186 +23,6 @@ pytestmark = [
         not sys.platform.startswith("linux"), reason="the fork server is Linux only"
     ),
 ]
-
-SCRIPTS = Path(__file__).parents[2] / "jobs" / "scripts"
-FORK_PROBE = str(SCRIPTS / "fork_probe.py")
-LAUNCH_PROBE = str(SCRIPTS / "launch_probe.py")
-
-REWRITE = '''
-import inspect, re, sys, tempfile, textwrap
-
-def rewrite(module_name, target, edits):
-    """Define ``target`` (a class of the module, or ``Class.method``) again from torch's source,
-    with each (pattern, replacement) of ``edits`` applied, in a file of its own (where ``inspect``
-    finds the new source); every module that imported the old class gets the new one."""
-    module = __import__(module_name, fromlist=["_"])
-    if "." in target:
-        owner, name = getattr(module, target.split(".")[0]), target.split(".")[1]
-    else:
-        owner, name = module, target
-    old = getattr(owner, name)
-    source = textwrap.dedent(inspect.getsource(old))
-    for pattern, replacement in edits:
-        source, count = re.subn(pattern, replacement, source)
-        assert count, (pattern, target)
-    scope = dict(vars(module))
-    # In the test\'s folder.
-    with tempfile.NamedTemporaryFile("w", suffix=".py", dir=".", delete=False) as f:
-        f.write(source)
-    exec(compile(source, f.name, "exec"), scope)
-    setattr(owner, name, scope[name])
-    if owner is module:
-        for other in list(sys.modules.values()):
-            if getattr(other, name, None) is old:
-                setattr(other, name, scope[name])
-
-HANDLER = "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler"
-AGENT_API = "torch.distributed.elastic.agent.server.api"
-'''
-
-TORCH_CHANGES = {
-    # SubprocessHandler starts its process through a step of another name.
-    "popen renamed": 'rewrite(HANDLER, "SubprocessHandler", [(r"\\b_popen\\b", '
-    '"_start_process")])\n',
-    # __init__ no longer starts its process through self._popen (a subclass's _popen is never
-    # called).
-    "popen not called": 'rewrite(HANDLER, "SubprocessHandler", [(r"self\\._popen\\(", '
-    '"SubprocessHandler._popen(self, ")])\n',
-    # The log files a handler opened for its worker kept under other names.
-    "log files renamed": 'rewrite(HANDLER, "SubprocessHandler", [(r"\\b_stdout\\b", "_out"), '
-    '(r"\\b_stderr\\b", "_err")])\n',
-    # What a forked worker runs to end as an interpreter ends, gone from CPython.
-    "atexit._run_exitfuncs gone": "import atexit\ndel atexit._run_exitfuncs\n",
-    # The agent's poll of its workers renamed, in the agent and in the loop that calls it.
-    "monitor renamed": (
-        "from torch.distributed.elastic.agent.server.api import SimpleElasticAgent\n"
-        "from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent\n"
-        "LocalElasticAgent._poll_workers = LocalElasticAgent._monitor_workers\n"
-        "del LocalElasticAgent._monitor_workers, SimpleElasticAgent._monitor_workers\n"
-        'rewrite(AGENT_API, "SimpleElasticAgent._invoke_run", [(r"self\\._monitor_workers\\(", '
-        '"self._poll_workers(")])\n'
-    ),
-    # The loop polls the workers through another step; _monitor_workers is still there, never
-    # called.
-    "monitor bypassed": (
-        "from torch.distributed.elastic.agent.server.api import SimpleElasticAgent\n"
-        "from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent\n"
-        "SimpleElasticAgent._poll_workers = LocalElasticAgent._monitor_workers\n"
-        'rewrite(AGENT_API, "SimpleElasticAgent._invoke_run", [(r"self\\._monitor_workers\\(", '
-        '"self._poll_workers(")])\n'
-    ),
-}
-
-SAID = "is not what ddpkit relies on"
-
-
-def launch(
-    tmp_path: Path, env: dict, change: str | None, *args: str
-) -> subprocess.CompletedProcess:
-    """``ddpkit run --nproc 2 ARGS`` in ``tmp_path``, in a launcher with ``TORCH_CHANGES[change]``
-    made first."""
-    code = REWRITE + (TORCH_CHANGES[change] if change else "")
-    code += "from ddpkit.cli import main\nsys.exit(main(sys.argv[1:]))\n"
-    return subprocess.run(
-        [sys.executable, "-c", code, "run", "--nproc", "2", *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
-def rank_log(tmp_path: Path, rank: int) -> str:
-    """What rank ``rank`` wrote to its standard output file under the run's log folder."""
-    (found,) = (tmp_path / "ddpkit-logs").rglob(f"{rank}/stdout.log")
-    return found.read_text()
-
-
-@pytest.fixture(autouse=True)
-def _fresh_warnings(monkeypatch):
-    monkeypatch.setattr(contract, "_warned", set())
-
-
-# a job each; the control of forking with torch as it is stays in the default suite
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("change", "internal"),
-    [
-        ("popen renamed", "torch's SubprocessHandler._popen"),
-        ("popen not called", "SubprocessHandler._popen"),
-        ("log files renamed", "SubprocessHandler._stdout/_stderr"),
-        ("atexit._run_exitfuncs gone", "threading._shutdown/atexit._run_exitfuncs"),
-    ],
-)
-def test_workers_start_as_new_interpreters_with_one_warning_and_their_output_where_asked(
-    change, internal, clean_env, tmp_path
-):
-    out = launch(tmp_path, clean_env, change, "--fork-server", "on", FORK_PROBE, str(tmp_path))
-    assert out.returncode == 0, out.stderr[-3000:]
-    for rank in range(2):
-        assert (
-            json.loads((tmp_path / f"rank{rank}.attempt0.json").read_text())["preloaded"] is False
-        )
-    assert out.stderr.count(SAID) == 1, out.stderr[-3000:]
-    version = "CPython " if "atexit" in change else "torch "
-    assert f"ddpkit: {internal} {SAID} in {version}" in out.stderr
-    assert "forking workers from the job's server is off" in out.stderr
-    # Rank 0 keeps the terminal, rank 1 writes to its log file, as without the fork server: a worker
-    # started through torch's own step still gets the files torchrun opened for it.
-    assert out.stdout.count("rank 0 to standard output") == 1 and "rank 1" not in out.stdout
-    assert rank_log(tmp_path, 1) == "rank 1 to standard output\n"
-
-
-@pytest.mark.slow
-def test_control_with_torch_as_it_is_workers_are_forked_and_nothing_is_said(clean_env, tmp_path):
-    out = launch(tmp_path, clean_env, None, "--fork-server", "on", FORK_PROBE, str(tmp_path))
-    assert out.returncode == 0, out.stderr[-3000:]
-    for rank in range(2):
-        assert json.loads((tmp_path / f"rank{rank}.attempt0.json").read_text())["preloaded"] is True
-    assert SAID not in out.stderr and "Warning" not in out.stderr, out.stderr[-3000:]
-    assert out.stdout.count("rank 0 to standard output") == 1 and "rank 1" not in out.stdout
-    assert rank_log(tmp_path, 1) == "rank 1 to standard output\n"
-
-
-# a job each; the control of forking with torch as it is stays in the default suite
-@pytest.mark.slow
-def test_an_agent_whose_poll_was_renamed_warns_at_construction_and_runs_as_torchruns(
-    clean_env, tmp_path
-):
-    """Without the poll ddpkit rides on, a pre-empted job restarts (torchrun's way) instead of
-    stopping: the warning names that loss once, at the agent's construction, and the job still
-    runs."""
-    out = launch(
-        tmp_path, clean_env, "monitor renamed", "--max-restarts", "1", LAUNCH_PROBE, "preempted"
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "attempt=1" in out.stdout  # restarted: the stop after a pre-emption is what was lost
-    assert out.stderr.count(SAID) == 1, out.stderr[-3000:]
-    assert f"LocalElasticAgent._monitor_workers/_shutdown {SAID} in torch " in out.stderr
-    assert "no restart after a pre-emption" in out.stderr
-
-
-# a job each; the control of forking with torch as it is stays in the default suite
-@pytest.mark.slow
-def test_an_agent_whose_poll_is_never_called_says_so_once(clean_env, tmp_path):
-    out = launch(
-        tmp_path, clean_env, "monitor bypassed", "--fork-server", "off", FORK_PROBE, str(tmp_path)
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stderr.count(SAID) == 1, out.stderr[-3000:]
-    assert f"LocalElasticAgent._monitor_workers (never called) {SAID} in torch " in out.stderr
-    assert "stack dumps after a failure, no restart after a pre-emption" in out.stderr
-
-
-# a job each; the control of forking with torch as it is stays in the default suite
-@pytest.mark.slow
-def test_control_an_agent_with_its_poll_stops_a_preempted_job_and_says_nothing(clean_env, tmp_path):
-    out = launch(tmp_path, clean_env, None, "--max-restarts", "1", LAUNCH_PROBE, "preempted")
-    assert out.returncode == 75, out.stderr[-3000:]
-    assert "attempt=0" in out.stdout and "attempt=1" not in out.stdout
-    assert SAID not in out.stderr
-
 
 # -- pure logic ------------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from ddpkit.distributed._environment import read_launch_env
 from ddpkit.platforms import _kubernetes as k8s
 
 # the operators' pods
-from tests.unit.platforms.test_kubernetes import PYTORCHJOB_WORKER, TRAINJOB_NODE
+from tests.unit.platforms.pods import PYTORCHJOB_WORKER, TRAINJOB_NODE
 
 # "\u0663" is ARABIC-INDIC DIGIT THREE (int() reads it as 3), "\u00b2" SUPERSCRIPT TWO (isdigit()
 # says yes, int() raises), "\uff11" FULLWIDTH DIGIT ONE.

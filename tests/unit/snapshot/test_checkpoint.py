@@ -5,7 +5,6 @@ previous snapshot left whole."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 import pickle
@@ -25,20 +24,7 @@ from ddpkit.snapshot._disk import (
     SnapshotWriteError,
 )
 from tests.tmpfs import fill, small_tmpfs
-
-
-def state(step: int) -> tuple[dict, dict]:
-    return {"model": {"w": torch.full((4,), float(step))}}, {"step": step, "rng": torch.arange(3)}
-
-
-def save(ckpt: DiskStore, step: int) -> None:
-    ckpt.save(step, *state(step))
-
-
-def load(ckpt: DiskStore, size: int = 4):
-    found = ckpt.latest(warn=lambda msg: None)
-    sharded, extra = ckpt.load(found, lambda: {"model": {"w": torch.zeros(size)}})
-    return found, sharded, extra
+from tests.unit.snapshot.folders import load, reseal, save, state
 
 
 def test_layout_marker_and_pruning(tmp_path):
@@ -195,20 +181,6 @@ class RunsCode:
 
     def __reduce__(self):
         return open, (self.path, "w")
-
-
-def reseal(folder) -> None:
-    """Rewrite the marker's sizes and checksums for the files as they now are: whoever can write the
-    folder can."""
-    marker = json.loads((folder / MARKER).read_text())
-    marker["files"] = {
-        name: {
-            "size": (folder / name).stat().st_size,
-            "sha256": hashlib.sha256((folder / name).read_bytes()).hexdigest(),
-        }
-        for name in marker["files"]
-    }
-    (folder / MARKER).write_text(json.dumps(marker))
 
 
 def test_a_crafted_dcp_index_is_never_unpickled(tmp_path):

@@ -12,34 +12,13 @@ import torch
 
 from ddpkit._errors import ConfigError
 from ddpkit.snapshot import _codec as codec
-from ddpkit.snapshot import _codec as region
 from ddpkit.snapshot import _slots as mf
 from ddpkit.snapshot import _slots as ms
 from ddpkit.snapshot import _slots as mslot
 from ddpkit.snapshot._memory import Choice, choose
 from ddpkit.training._config import SnapshotConfig
 from tests.tmpfs import small_tmpfs
-
-
-def store(folder, rank=0, world=2, job="job-a", run="run-a") -> ms.Slots:
-    return ms.Slots(folder, job=job, run=run, rank=rank, world_size=world)
-
-
-def save(st: ms.Slots, step: int, tensors: list[torch.Tensor], extra=None) -> None:
-    """What the Trainer's side does: lay the tensors out and commit them with the step's values."""
-    specs, size = region.layout(tensors)
-    manifest = {"specs": [[s.dtype, list(s.shape), s.offset] for s in specs], "data_size": size}
-    key = tuple((t.dtype, t.shape) for t in tensors)
-    values = {"step": step, "position": [0, step, step], "peers": False, "values": extra}
-    st.save(values, tensors, manifest, key)
-
-
-def load(found: ms.Found) -> tuple[dict, list[torch.Tensor]]:
-    got = mslot.read_slot(found.path, data=True)
-    assert got is not None
-    record, manifest, values, data = got
-    return values, mslot.tensors_of(data, record, manifest)
-
+from tests.unit.snapshot.slots import load, save, store
 
 # -- values without pickle -------------------------------------------------------------------------
 

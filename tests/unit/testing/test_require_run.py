@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, _clean_environ
+from tests.jobs.conftest import ROOT, clean_environ
 
 SKIPPED = """
 import pytest
@@ -32,7 +32,7 @@ def _tier(
     # The installed plugins are not what is tested, and loading them costs ~1 s a run (xdist's
     # worker loads them again): only xdist, where the run uses it.
     env = (
-        _clean_environ()
+        clean_environ()
         | {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
         | ({"DDPKIT_REQUIRE_RUN": "1"} if require else {})
     )

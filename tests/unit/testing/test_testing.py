@@ -1,8 +1,11 @@
-"""ddpkit.testing's helpers that need no ranks: waiting for a condition with a deadline, and the
-environment a job started from inside another gets."""
+"""ddpkit.testing's helpers that need no ranks: waiting for a condition with a deadline, the
+environment a job started from inside another gets, and what a :class:`~ddpkit.testing.Job` reads
+of a run."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 import time
 
 import pytest
@@ -130,11 +133,11 @@ def test_the_launch_free_environment_drops_every_job_variable_and_keeps_the_rest
 
 
 def test_the_suites_clean_environment_is_the_packages_plus_its_own_settings(monkeypatch):
-    from tests.conftest import _clean_environ
+    from tests.jobs.conftest import clean_environ
 
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "outer")
-    env = _clean_environ()
+    env = clean_environ()
     assert (
         "RANK" not in env and "TORCHELASTIC_RUN_ID" not in env and env["CUDA_VISIBLE_DEVICES"] == ""
     )
@@ -154,3 +157,59 @@ def test_start_job_refuses_no_process_or_arguments_without_a_script_before_start
         start_job("train.py", nproc=0)
     with pytest.raises(ValueError, match=r"script=None with arguments \['--lr'\]"):
         start_job(None, "--lr", command="bench")
+
+
+def test_a_runs_records_are_read_in_order_skipping_a_line_a_kill_cut_short(tmp_path):
+    from ddpkit.testing import Job, read_records
+
+    lines = [
+        '{"kind": "event", "event": "start", "step": 0}',
+        '{"kind": "train", "step": 1, "loss": 0.5}',
+        '{"kind": "event", "event": "resume", "step": 1}',
+        '{"kind": "train", "st',  # the kill
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines))
+    assert [r["kind"] for r in read_records(tmp_path)] == ["event", "train", "event"]
+    job = Job(["ddpkit"], 0, "", "", run_dir=tmp_path)
+    assert [e["event"] for e in job.events()] == ["start", "resume"]
+    assert job.events("resume") == [{"kind": "event", "event": "resume", "step": 1}]
+    # Control: the last line is no record; parsed as is, it fails.
+    with pytest.raises(ValueError):
+        json.loads(lines[-1])
+    assert read_records(tmp_path / "nothing-yet") == []
+
+
+def test_a_job_is_a_completed_process_and_names_what_it_was_not_given():
+    from ddpkit.testing import Job
+
+    failed = Job(["ddpkit", "run"], 3, "out", "err")
+    assert isinstance(failed, subprocess.CompletedProcess) and failed.stdout == "out"
+    with pytest.raises(subprocess.CalledProcessError):
+        failed.check_returncode()
+    with pytest.raises(ValueError, match="pass run_dir= to run_job"):
+        failed.records  # noqa: B018
+    with pytest.raises(ValueError, match="give 'stdout' or 'stderr'"):
+        failed.output(1, "logs")
+    # rank 0's output is the job's own; no log folder, no other rank's
+    assert (failed.output(0), failed.output(0, "stderr"), failed.output(1)) == ("out", "err", "")
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ((), ["--log-dir", "/w/ddpkit-logs"]),
+        (
+            ("--max-restarts", "1", "-m"),
+            ["--log-dir", "/w/ddpkit-logs", "--max-restarts", "1", "-m"],
+        ),
+        (("--log-dir", "logs", "-m"), ["--log-dir", "/w/logs", "-m"]),
+        (("--log-dir=/abs", "--log-dir", "b"), ["--log-dir", "/w/b"]),  # the last, as argparse
+        (("--log-dir", "a", "--log-dir=/abs"), ["--log-dir", "/abs"]),
+    ],
+)
+def test_the_launchers_log_folder_is_made_absolute_and_put_first(given, expected):
+    from pathlib import Path
+
+    from ddpkit.testing import _log_dir_first
+
+    assert _log_dir_first(given, Path("/w")) == expected
