@@ -197,8 +197,8 @@ class MemoryStore:
         placement: replicas_lib.Placement | None = None,
     ) -> None:
         self.slots, self.group = slots, group
-        self._fixed = every_steps
-        self._tuned = every_steps is not None
+        self._fixed = every_steps  # None: chosen after the first saves; recorded either way
+        self._tuned = False
         self._starts: list[float] = []  # perf_counter at each save, until the interval is chosen
         self._calls = 0
         self.rank, self.world_size = slots.rank, slots.world_size
@@ -247,7 +247,7 @@ class MemoryStore:
 
     def _save_timed(self, parts: Callable[[], Parts]) -> None:
         t0 = time.perf_counter()
-        if not self._tuned or self._calls <= TUNE_AFTER:
+        if not self._tuned:
             self._starts.append(t0)
         step, payload = -1, None
         if self.enabled:
@@ -453,7 +453,11 @@ class MemoryStore:
         damaged = sorted({text for o in offers for text in o["damaged"]})
         if damaged and warn is not None:
             warn(f"ddpkit: skipping damaged snapshots in memory: {'; '.join(damaged)}")
-        return choose(offers, over_own=self.own_part)
+        choice = choose(offers, over_own=self.own_part)
+        if choice is None and self.placement is not None and warn is not None:
+            if (why := _uncovered(offers, self.replicas)) is not None:
+                warn(f"ddpkit: {why}; resuming from disk")
+        return choice
 
     def load_step(self, choice: Choice, strategy: Strategy, check: Check) -> Resumed:
         """The state at ``choice``, its tensors copied into ``strategy``'s, on every rank or none:
@@ -633,6 +637,27 @@ class MemoryStore:
                 "its values name a part of the state the model and optimizer do not have"
             )
         return saved, dynamic, own
+
+
+def _uncovered(offers: list[dict[str, Any]], copies: int) -> str | None:
+    """Why no position in memory holds every rank's state, where some rank holds one (more nodes
+    lost at once than the copies cover); None where memory holds nothing."""
+    newest = max((tuple(p) for o in offers for p in o["own"]), default=None)
+    if newest is None:
+        return None
+    missing = [
+        r
+        for r, o in enumerate(offers)
+        if list(newest) not in o["own"]
+        and not any(list(newest) in h["replicas"].get(str(r), []) for h in offers)
+    ]
+    if not missing:
+        return None
+    return (
+        f"no step in memory holds every rank's state: at step {newest[1]}, neither rank(s) "
+        f"{missing} nor a living rank holds theirs (more nodes lost at once than replicas="
+        f"{copies} covers)"
+    )
 
 
 def _parsed(

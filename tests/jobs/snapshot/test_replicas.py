@@ -147,9 +147,13 @@ def _lose_node(root: str) -> None:
     (Path(root) / MEMORY).mkdir(parents=True)
 
 
-def _resumes(run_dir: Path) -> list[dict]:
+def _records(run_dir: Path, event: str) -> list[dict]:
     records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-    return [r for r in records if r.get("event") == "resume"]
+    return [r for r in records if r.get("event") == event]
+
+
+def _resumes(run_dir: Path) -> list[dict]:
+    return _records(run_dir, "resume")
 
 
 def _same(final: dict, reference: dict, strategy: str) -> bool:
@@ -179,6 +183,10 @@ def _train(tmp: Path, name: str, roots: list[str], strategy: str, replicas: int,
 def test_a_lost_nodes_ranks_resume_from_the_copies_on_the_other_node_bitwise(tmp_path, strategy):
     reference = _train(tmp_path, "reference", _roots(tmp_path, "reference"), strategy, 2, False)
     assert reference["copies"] == 2 and reference["step"] == STEPS
+    # the transfers' cost in the records: the bytes a rank sends a copy, the time it takes
+    (interval,) = _records(tmp_path / "reference", "memory_snapshots")
+    assert interval["replicas"] == 2 and interval["every_steps"] == 1
+    assert interval["copy_bytes"] > 0 and interval["transfer_ms"] > 0, interval
     roots = _roots(tmp_path, "lost")
     _train(tmp_path, "lost", roots, strategy, 2, True)
     _lose_node(roots[1])
