@@ -218,7 +218,9 @@ class MemoryStore:
         self.replicas = placement.copies if placement is not None else 1
         self.copies: replicas_lib.ReplicaFiles | None = None
         self.courier: replicas_lib.Courier | None = None
+        self._strategy = strategy
         self._hooks: list[Any] = []
+        self._stream: Any = None  # the side stream of copies from a GPU
         if placement is not None:
             self.copies = replicas_lib.ReplicaFiles(
                 slots.folder, job=slots.job, run=slots.run, world_size=self.world_size,
@@ -227,9 +229,14 @@ class MemoryStore:
             self.courier = replicas_lib.Courier(
                 placement, self.rank, self.world_size, _gloo_group(group), self.copies
             )
-            if strategy is not None:
-                optimizers = getattr(strategy, "optimizers", None) or [strategy.optimizer]
-                self._hooks = [o.register_step_pre_hook(self._before_update) for o in optimizers]
+            self._watch_updates()
+
+    def _watch_updates(self) -> None:
+        """Every optimizer step waits for the copy of the step before (:meth:`_before_update`)."""
+        strategy = self._strategy
+        if strategy is not None and not self._hooks:
+            optimizers = getattr(strategy, "optimizers", None) or [strategy.optimizer]
+            self._hooks = [o.register_step_pre_hook(self._before_update) for o in optimizers]
 
     def save_step(self, parts: Callable[[], Parts]) -> Interval | None:
         """Copy the step's ``parts()`` into the older slot (read only while the copies go on, and
@@ -249,14 +256,14 @@ class MemoryStore:
         t0 = time.perf_counter()
         if not self._tuned:
             self._starts.append(t0)
-        step, payload = -1, None
+        self._settle()  # the copy before whole everywhere (mostly settled by the optimizer step)
+        step, payload, commit = -1, None, None
         if self.enabled:
             try:
-                step, payload = self._save(parts)
+                step, payload, commit = self._save(parts)
             except slots_lib.MemoryUnavailable as err:
                 self.enabled = False
                 _warn(f"snapshots in memory stop on rank {self.rank} ({err}); disk snapshots go on")
-        self._settle()  # the transfer of the copy before (mostly settled by the optimizer step)
         if self.courier is not None:
             if self.enabled and self.copies is not None and self.copies.full is not None:
                 self.enabled = False
@@ -265,7 +272,7 @@ class MemoryStore:
                     f"other ranks ({self.copies.full}); disk snapshots go on"
                 )
             # a rank that stopped says so in the transfer: every rank stops once it is settled
-            self.courier.submit(step, payload if self.enabled else None)
+            self.courier.submit(step, payload if self.enabled else None, commit)
         self.stalls.append(time.perf_counter() - t0)
 
     def _before_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -341,9 +348,10 @@ class MemoryStore:
             int(most["bytes"]), round(1e3 * most["transfer"], 3),
         )  # fmt: skip
 
-    def _save(self, parts: Callable[[], Parts]) -> tuple[int, torch.Tensor | None]:
-        """The step's copy into the older slot: its step, and what goes to the other nodes (None
-        where nothing does)."""
+    def _save(self, parts: Callable[[], Parts]) -> tuple[int, Any, Any]:
+        """The step's copy into the older slot: its step, what goes to the other nodes (None where
+        nothing does; else the courier makes it) and the commit left to the courier (copies from a
+        GPU; None where the slot is whole already)."""
         step = parts()
         position, values = step.position, step.values
         plan = self._current_plan(step.strategy)
@@ -375,17 +383,36 @@ class MemoryStore:
                 },
             )
         slot = {"step": position[1], "position": list(position)}
-        self.slots.save(slot | {"values": skeleton}, tensors, self._manifest, key)
-        if self.courier is None:
-            return position[1], None
+        values = slot | {"values": skeleton}
+        commit = None
+        if any(t.is_cuda for t in plan.tensors):
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(plan.tensors[0].device)
+            commit = self.slots.save_from_device(values, tensors, self._manifest, key, self._stream)
+            if self.courier is None:  # the commit goes on beside the next step
+                self.courier = replicas_lib.Courier(None, self.rank, self.world_size, None, None)
+                self._watch_updates()
+        else:
+            self.slots.save(values, tensors, self._manifest, key)
+        if self.placement is None:
+            return position[1], None, commit
         if not self.own_part:  # zero, fsdp: the slot itself, as it was committed
-            return position[1], self.slots.committed()
-        own = {json.dumps(list(p)): t for p, t, o in zip(plan.paths, plan.tensors, plan.own) if o}
-        blob = codec.encode_blob({"own": dynamic["own"], "strategy_own": own})
+            return position[1], self.slots.committed, commit
+        # ddp: this rank's own part, read back from the slot once it is committed
+        own_at = [i for i, own in enumerate(plan.own) if own]
+        names = [json.dumps(list(plan.paths[i])) for i in own_at]
         ids = {"job": self.slots.job, "run": self.slots.run, "rank": self.rank}
         ids |= {"world_size": self.world_size, "part": "own"} | slot
-        packed = slots_lib.pack(ids, [torch.frombuffer(bytearray(blob), dtype=torch.uint8)])
-        return position[1], torch.frombuffer(bytearray(packed), dtype=torch.uint8)
+
+        def own_part() -> torch.Tensor:
+            last = self.slots.last
+            assert last is not None, "the slot is committed first"
+            strategy_own = {name: last.dests[i] for name, i in zip(names, own_at)}
+            blob = codec.encode_blob({"own": dynamic["own"], "strategy_own": strategy_own})
+            packed = slots_lib.pack(ids, [torch.frombuffer(bytearray(blob), dtype=torch.uint8)])
+            return torch.frombuffer(bytearray(packed), dtype=torch.uint8)
+
+        return position[1], own_part, commit
 
     def _current_plan(self, strategy: Strategy) -> _Plan:
         plan = self._plan

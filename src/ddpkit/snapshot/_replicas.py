@@ -4,7 +4,7 @@ replicas=K)``, docs/snapshots.md, "Copies on other nodes"): which ranks hold who
 (:class:`Courier`), and the transfers of a restore (:func:`exchange`). Layout, beside the node's
 own slots (:mod:`ddpkit.snapshot._slots`)::
 
-    <job folder>/memory/<run>-replica<p>-<i>.slot  rank p's copies 0 and 1, held on another node
+    <job folder>/memory/<run>-replica<p>-<i>.slot  rank p's copies 0 and 1 (on another node)
 
 A copy is a slot: the rank's slot as it was committed (``zero``, ``fsdp``: its state is its own),
 or a slot of its own part alone (``ddp``: its buffers and random streams; the rest is on every
@@ -18,7 +18,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -245,31 +245,46 @@ class Round:
     error: BaseException | None = None
 
 
+Payload = torch.Tensor | Callable[[], torch.Tensor]
+"""A copy to send: a contiguous uint8 tensor, or what makes it (called in the courier's thread)."""
+
+
 class Courier:
     """Sends this rank's copy of each save to its partners and takes its sources' copies into
     ``files``, in a thread of its own on a gloo ``group`` of its own (two threads issuing
     collectives on one group could pair a message of one with the other's), one round per save:
     every rank submits the same rounds, in order, and each round begins with every rank's word
-    whether it still keeps copies (one all-gather)."""
+    whether it still keeps copies (one all-gather). A round first runs the save's commit where the
+    save left it to the thread (copies from a GPU). Without a ``placement`` it only commits."""
 
     def __init__(
-        self, placement: Placement, rank: int, world_size: int, group: Any, files: ReplicaFiles
+        self,
+        placement: Placement | None,
+        rank: int,
+        world_size: int,
+        group: Any,
+        files: ReplicaFiles | None,
     ) -> None:
-        self.partners, self.sources = placement.partners[rank], placement.sources(rank)
+        self.placement = placement
+        self.partners = placement.partners[rank] if placement is not None else ()
+        self.sources = placement.sources(rank) if placement is not None else []
         self.rank, self.world_size, self.group, self.files = rank, world_size, group, files
-        self._jobs: queue.SimpleQueue[tuple[int, torch.Tensor | None] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[int, Any, Any] | None] = queue.SimpleQueue()
         self._results: queue.SimpleQueue[Round] = queue.SimpleQueue()
         self.in_flight: int | None = None
         """The step of the round submitted and not yet settled."""
         self._thread = threading.Thread(target=self._serve, name="ddpkit-replicas", daemon=True)
         self._thread.start()
 
-    def submit(self, step: int, payload: torch.Tensor | None) -> None:
-        """Send ``payload`` (a contiguous uint8 tensor: this rank's copy of ``step``, unchanged
-        until the round is settled) in a round of its own; None: this rank stops keeping copies."""
+    def submit(
+        self, step: int, payload: Payload | None, commit: Callable[[], None] | None = None
+    ) -> None:
+        """After ``commit()`` (where given), send ``payload``, this rank's copy of ``step``,
+        unchanged until the round is settled, in a round of its own; None: this rank stops keeping
+        copies."""
         assert self.in_flight is None, "settle the round in flight first"
         self.in_flight = step
-        self._jobs.put((step, payload))
+        self._jobs.put((step, payload, commit))
 
     def settle(self) -> Round | None:
         """The round in flight, once it ended (None where none is in flight)."""
@@ -286,11 +301,14 @@ class Courier:
 
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
-            step, payload = job
+            step, payload, commit = job
             result = Round(step)
             t0 = time.perf_counter()
             try:
-                self._round(result, payload)
+                if commit is not None:
+                    commit()
+                if self.placement is not None:
+                    self._round(result, payload() if callable(payload) else payload)
             except Exception as err:  # noqa: BLE001  (a rank lost: said where the step waits)
                 result.error = err
             result.seconds = time.perf_counter() - t0
@@ -298,23 +316,25 @@ class Courier:
 
     def _round(self, result: Round, payload: torch.Tensor | None) -> None:
         flag = torch.tensor([0 if payload is None else 1], dtype=torch.int64)
-        flags = torch.empty(self.world_size, dtype=torch.int64)
-        dist.all_gather_into_tensor(flags, flag, group=self.group)
-        result.stopped = [r for r, f in enumerate(flags.tolist()) if f == 0]
-        if result.stopped or payload is None:
+        flags = [torch.empty(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(flags, flag, group=self.group)
+        result.stopped = [r for r, f in enumerate(flags) if int(f) == 0]
+        if result.stopped or payload is None or self.files is None:
             return
-        size = torch.tensor([payload.numel()], dtype=torch.int64)
-        sizes = {p: torch.zeros(1, dtype=torch.int64) for p in self.sources}
+        # the size and the header in one message (each wait is a turn of the GIL from the step)
+        opening = torch.empty(8 + slots_lib.HEADER, dtype=torch.uint8)
+        opening[:8] = torch.tensor([payload.numel()], dtype=torch.int64).view(torch.uint8)
+        opening[8:] = payload[: slots_lib.HEADER]
+        heard = {p: torch.empty(8 + slots_lib.HEADER, dtype=torch.uint8) for p in self.sources}
         self._wait(
-            [self._send(size, d, _SIZE) for d in self.partners]
-            + [self._recv(sizes[p], p, _SIZE) for p in self.sources]
+            [self._send(opening, d, _HEAD) for d in self.partners]
+            + [self._recv(heard[p], p, _HEAD) for p in self.sources]
         )
-        arrivals = [self.files.arriving(p, int(sizes[p])) for p in self.sources]
-        head = payload[: slots_lib.HEADER]
-        self._wait(
-            [self._send(head, d, _HEAD) for d in self.partners]
-            + [self._recv(a.head, a.source, _HEAD) for a in arrivals]
-        )
+        arrivals = []
+        for p, got in heard.items():
+            arrival = self.files.arriving(p, int(got[:8].view(torch.int64)))
+            arrival.head.copy_(got[8:])
+            arrivals.append(arrival)
         pieces = max([-(-(payload.numel() - slots_lib.HEADER) // CHUNK)] + [
             -(-(a.body.numel() - slots_lib.HEADER) // CHUNK) for a in arrivals
         ])  # fmt: skip

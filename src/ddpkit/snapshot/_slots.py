@@ -315,6 +315,7 @@ class _Slot:
         self.record: Record | None = None
         self.fd: int | None = None
         self.file: torch.Tensor | None = None  # the whole file, mapped
+        self.pinned: int | None = None  # the address registered with CUDA, if it is
         self.region: torch.Tensor | None = None  # its data region
         self.dests: list[torch.Tensor] = []
         self.layout_id: object = None
@@ -327,6 +328,9 @@ class _Slot:
         return self.data_offset + self.data_size + table_size(self.data_size)
 
     def close(self) -> None:
+        if self.pinned is not None:  # no copy is in flight: its commit was waited for
+            torch.cuda.cudart().cudaHostUnregister(self.pinned)
+            self.pinned = None
         self.file, self.region, self.dests, self.layout_id = None, None, [], None
         if self.fd is not None:
             os.close(self.fd)
@@ -375,6 +379,44 @@ class Slots:
         """Commit ``tensors`` (laid out as ``manifest["specs"]``, named ``layout_id``) with the
         JSON-able ``values`` into the older slot; :class:`MemoryUnavailable` if memory is full.
         :meth:`committed` then holds its bytes."""
+        slot, commit = self._begin(values, manifest, layout_id)
+        copy_tensors(slot.dests, tensors)
+        commit()
+
+    def save_from_device(
+        self,
+        values: dict[str, Any],
+        tensors: Sequence[torch.Tensor],
+        manifest: dict[str, Any],
+        layout_id: object,
+        stream: Any,
+    ) -> Callable[[], None]:
+        """:meth:`save` of tensors on a GPU, the host not held: the copies are queued on ``stream``
+        (a CUDA stream) after the work queued so far, into the slot's pages pinned for the device
+        (``cudaHostRegister``), and the current stream waits for them (the next step cannot change
+        a tensor before its copy). Returns the commit, to call from any thread once: it waits for
+        the copies, then checksums and commits as :meth:`save`."""
+        slot, commit = self._begin(values, manifest, layout_id)
+        _pin(slot)
+        current = torch.cuda.current_stream(stream.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream), torch.no_grad():
+            torch._foreach_copy_(list(slot.dests), list(tensors), non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        current.wait_event(copied)
+
+        def after_copies() -> None:
+            copied.synchronize()
+            commit()
+
+        return after_copies
+
+    def _begin(
+        self, values: dict[str, Any], manifest: dict[str, Any], layout_id: object
+    ) -> tuple[_Slot, Callable[[], None]]:
+        """The older slot, mapped for ``manifest`` and made not whole, and its commit: the
+        checksums of its data, its values, then its record (``end`` last)."""
         slot = self._target()
         ids = {"job": self.job, "run": self.run, "rank": self.rank, "world_size": self.world_size}
         value_bytes = json.dumps(ids | values).encode()
@@ -388,21 +430,25 @@ class Slots:
         # begin first (the slot stops being whole), then everything, then end
         os.pwrite(fd, struct.pack("<Q", gen), BEGIN_OFFSET)
         slot.record = None
-        copy_tensors(slot.dests, tensors)
-        table = block_crcs(slot.region)
-        os.pwrite(fd, value_bytes, slot.values_offset)
-        os.pwrite(fd, table, slot.data_offset + slot.data_size)
-        record = Record(
-            gen,
-            0,
-            (HEADER, len(slot.manifest_bytes), zlib.crc32(slot.manifest_bytes)),
-            (slot.values_offset, len(value_bytes), zlib.crc32(value_bytes)),
-            (slot.data_offset, slot.data_size, table_crc(table)),
-        )
-        os.pwrite(fd, record.pack(), 0)
-        os.pwrite(fd, struct.pack("<Q", gen), END_OFFSET)
-        slot.record = Record(gen, gen, record.manifest, record.values, record.data)
-        self.last = slot
+
+        def commit() -> None:
+            assert slot.region is not None
+            table = block_crcs(slot.region)
+            os.pwrite(fd, value_bytes, slot.values_offset)
+            os.pwrite(fd, table, slot.data_offset + slot.data_size)
+            record = Record(
+                gen,
+                0,
+                (HEADER, len(slot.manifest_bytes), zlib.crc32(slot.manifest_bytes)),
+                (slot.values_offset, len(value_bytes), zlib.crc32(value_bytes)),
+                (slot.data_offset, slot.data_size, table_crc(table)),
+            )
+            os.pwrite(fd, record.pack(), 0)
+            os.pwrite(fd, struct.pack("<Q", gen), END_OFFSET)
+            slot.record = Record(gen, gen, record.manifest, record.values, record.data)
+            self.last = slot
+
+        return slot, commit
 
     def committed(self) -> torch.Tensor | None:
         """The bytes of the slot the last :meth:`save` committed (its mapping, not a copy: valid
@@ -540,6 +586,17 @@ def slot_bytes(path: Path) -> bytes | None:
 
 def _round(n: int, to: int) -> int:
     return -(-n // to) * to
+
+
+def _pin(slot: _Slot) -> None:
+    """Register ``slot``'s mapped pages with CUDA, so a device's copies go to them directly at full
+    speed (torch's own checkpoint stager pins shared memory so); where it cannot, the copies go
+    through a staging buffer, as to any pageable memory."""
+    if slot.pinned is not None or slot.file is None or slot.file.numel() == 0:
+        return
+    address = slot.file.data_ptr()
+    if int(torch.cuda.cudart().cudaHostRegister(address, slot.file.numel(), 0)) == 0:
+        slot.pinned = address
 
 
 def copy_tensors(dests: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:

@@ -108,6 +108,7 @@ def test_a_rank_that_stops_without_saying_so_leaves_the_others_waiting_until_the
 # -- the Trainer: a lost node's ranks resume from the copies on the other node ---------------------
 
 STEPS, KILL = 14, 8
+SLOW = pytest.mark.slow
 
 
 def _trainer_job(
@@ -179,7 +180,9 @@ def _train(tmp: Path, name: str, roots: list[str], strategy: str, replicas: int,
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("strategy", ["fsdp", "zero", "ddp"])
+@pytest.mark.parametrize(
+    "strategy", ["fsdp", pytest.param("zero", marks=SLOW), pytest.param("ddp", marks=SLOW)]
+)
 def test_a_lost_nodes_ranks_resume_from_the_copies_on_the_other_node_bitwise(tmp_path, strategy):
     reference = _train(tmp_path, "reference", _roots(tmp_path, "reference"), strategy, 2, False)
     assert reference["copies"] == 2 and reference["step"] == STEPS
@@ -207,6 +210,7 @@ def test_a_lost_nodes_ranks_resume_from_the_copies_on_the_other_node_bitwise(tmp
     assert control["resumed_from"] is None and _same(control, reference, strategy)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_damaged_copy_is_named_and_every_rank_passes_over_it(tmp_path, capfd):
     reference = _train(tmp_path, "reference", _roots(tmp_path, "reference"), "fsdp", 2, False)

@@ -226,3 +226,27 @@ def test_a_packed_slot_reads_back_with_its_values_and_tensors():
     assert again is not None
     part = codec.decode_blob(sl.tensors_of(again[3], again[0], again[1])[0].numpy().tobytes())
     assert torch.equal(part["own"]["rng"], torch.arange(4))
+
+
+def test_a_commit_left_to_another_thread_makes_the_slot_whole_only_then(tmp_path):
+    # what a save from a GPU does: the copies queued, the commit run by the courier's thread
+    import threading
+
+    st = sl.Slots(tmp_path, job="id:a", run="run-a", rank=0, world_size=2)
+    tensors = [torch.full((3000,), 7.0), torch.arange(5)]
+    specs, size = codec.layout(tensors)
+    manifest = {"specs": [[s.dtype, list(s.shape), s.offset] for s in specs], "data_size": size}
+    slot, commit = st._begin({"step": 1, "position": [0, 1, 1]}, manifest, "layout")
+    sl.copy_tensors(slot.dests, tensors)
+    assert st.found() == [] and st.committed() is None  # copied, not whole
+    thread = threading.Thread(target=commit)
+    thread.start()
+    thread.join()
+    (found,) = st.found()
+    got = sl.read_slot(found.path, data=True)
+    assert got is not None and found.step == 1
+    assert all(torch.equal(a, b) for a, b in zip(sl.tensors_of(got[3], got[0], got[1]), tensors))
+    committed = st.committed()
+    assert committed is not None and bytes(committed.numpy()) == found.path.read_bytes()[
+        : committed.numel()
+    ]
