@@ -44,7 +44,7 @@ from ddpkit.snapshot._state import (
     leaves,
     set_at,
 )
-from ddpkit.strategies._base import PER_RANK, Strategy
+from ddpkit.strategies._base import PER_RANK, UNSTEPPED, Strategy
 from ddpkit.strategies._prepare import unwrap
 
 STALL_BUDGET = 0.05
@@ -431,17 +431,14 @@ class MemoryStore:
                 values.append((path, value))
         # reusable only when every tensor is a live one: a copy made by state_dict() goes stale
         aliases = all(t.untyped_storage().data_ptr() in storages for t in tensors)
-        # the optimizer's param_groups.<name>.<key>: the saved parameter groups restore them
-        hyper_only = all(
-            len(p) == 2 and p[0] == "optim" and str(p[1]).startswith("param_groups.")
-            for p, _ in values
-        )
+        # the parameter groups' values (optim.param_groups.<name>.<key>, zero's param_groups): the
+        # saved parameter groups restore them, read fresh at each save
+        kept = [(p, v) for p, v in values if not _of_param_groups(p)]
+        # which optimizers have not stepped changes only with their state, and so the signature
+        fixed = all(p == (UNSTEPPED,) for p, _ in kept)
         ident = plan.ident + 1 if plan else 0
-        kept = [] if hyper_only else values
         signature = watch.signature()
-        self._plan = _Plan(
-            paths, tensors, own, kept, aliases and hyper_only, watch, signature, ident
-        )
+        self._plan = _Plan(paths, tensors, own, kept, aliases and fixed, watch, signature, ident)
         return self._plan
 
     def wait(self) -> None:
@@ -717,6 +714,13 @@ def _own_part(part: tuple[slots_lib.Record, dict, dict, bytes], saved: dict[KeyP
     return blob["own"]
 
 
+def _of_param_groups(path: KeyPath) -> bool:
+    """Whether a value of a strategy's state is one of its parameter groups' (its learning rate, its
+    betas), which a slot saves apart and a load puts back before it reads the state."""
+    under_optim = len(path) == 2 and path[0] == "optim" and str(path[1]).startswith("param_groups.")
+    return under_optim or path == ("param_groups",)
+
+
 def _check_values(dynamic: dict[str, Any], groups: int) -> None:
     """A slot's values are the parameter groups and strategy values a save writes."""
     param_groups, strategy_values = dynamic["param_groups"], dynamic["strategy_values"]
@@ -772,7 +776,7 @@ class _Plan:
     paths: list[KeyPath]
     tensors: list[torch.Tensor]
     own: list[bool]
-    values: list[tuple[KeyPath, Any]]  # non-tensor values, when they are not hyper-parameters alone
+    values: list[tuple[KeyPath, Any]]  # non-tensor values, but the parameter groups' ones
     reusable: bool
     watch: _Watch
     signature: tuple[Any, ...]

@@ -126,6 +126,7 @@ class ReplicaFiles:
         }
         self.full: str | None = None
         """Why a copy could not be kept (memory full), once that happened."""
+        self._known: dict[int, dict[str, Any]] = {}  # each source's manifest last checked
         self.damaged: list[str] = []
         """What :meth:`found` last found wrong with whole copies it left out."""
         self.found()
@@ -194,7 +195,8 @@ class ReplicaFiles:
         name = f"the copy of rank {arrival.source}'s state that arrived in {copy.path}"
         head = tensor_bytes(arrival.head)
         try:
-            _, _, values = slots_lib.arrived(head, arrival.body, name)
+            known = self._known.setdefault(arrival.source, {})
+            _, _, values = slots_lib.arrived(head, arrival.body, name, known)
         except slots_lib.BadSlot as err:
             return str(err)
         position = self._position(values, arrival.source)

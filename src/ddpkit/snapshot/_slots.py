@@ -187,13 +187,16 @@ def parse_slot(data: bytes, name: str = "a slot") -> tuple[Record, dict, dict, b
     return _parse(data[:HEADER], len(data), lambda o, n: data[o : o + n], data, name)
 
 
-def arrived(head: bytes, body: Any, name: str) -> tuple[Record, dict, dict]:
+def arrived(
+    head: bytes, body: Any, name: str, known: dict[str, Any] | None = None
+) -> tuple[Record, dict, dict]:
     """The record, manifest and values of a slot that arrived from another rank, its header
     ``head`` apart and its other bytes in ``body`` (the whole slot's length, a tensor or a buffer;
     its first :data:`HEADER` bytes are not read): its parts, layout and checksums checked, else
-    :class:`BadSlot` (a slot not whole too)."""
+    :class:`BadSlot` (a slot not whole too). ``known``: the last manifest checked so, kept there (a
+    manifest of the same bytes is not parsed and laid out again: its checksums are)."""
     view = _bytes_of(body)
-    got = _parse(head, len(view), lambda o, n: bytes(view[o : o + n]), view, name)
+    got = _parse(head, len(view), lambda o, n: bytes(view[o : o + n]), view, name, known)
     if got is None:
         raise BadSlot(f"{name}: its record does not say it is whole")
     return got[0], got[1], got[2]
@@ -232,9 +235,11 @@ def _parse(
     read: Callable[[int, int], bytes],
     data: bytes | memoryview,
     name: str,
+    known: dict[str, Any] | None = None,
 ) -> tuple[Record, dict, dict, Any] | None:
     """The parts of a slot of ``size`` bytes whose record is ``head``, read by ``read(offset,
-    length)``; ``data``: all its bytes, whose layout and checksums are then checked too."""
+    length)``; ``data``: all its bytes, whose layout and checksums are then checked too (the
+    layout once, where ``known`` holds the same manifest: :func:`arrived`)."""
     record = Record.unpack(head)
     if record is None or not record.whole:
         return None
@@ -251,20 +256,29 @@ def _parse(
         if zlib.crc32(raw) != crc:
             raise BadSlot(f"{name}: its {what} fail their CRC-32")
         parts.append(raw)
+    laid_out = known is not None and known.get("raw") == parts[0]
     try:
-        manifest, values = json.loads(parts[0]) if data else {}, json.loads(parts[1])
+        if laid_out:
+            manifest = known["manifest"]  # type: ignore[index]
+        else:
+            manifest = json.loads(parts[0]) if data else {}
+        values = json.loads(parts[1])
     except (ValueError, RecursionError) as err:
         raise BadSlot(f"{name}: its manifest or values are not JSON ({err})") from None
     if not isinstance(manifest, dict) or not isinstance(values, dict):
         raise BadSlot(f"{name}: its manifest or values are not a record")
     if data:
-        _check_data(data, record, manifest, name)
+        _check_data(data, record, manifest, name, laid_out)
+        if known is not None:
+            known.update(raw=parts[0], manifest=manifest)
     return record, manifest, values, data
 
 
-def _check_data(data: bytes | memoryview, record: Record, manifest: dict, name: str) -> None:
-    """The manifest's layout inside the data region, and the region's table of CRC-32Cs entry by
-    entry, before any tensor is viewed."""
+def _check_data(
+    data: bytes | memoryview, record: Record, manifest: dict, name: str, laid_out: bool = False
+) -> None:
+    """The manifest's layout inside the data region (``laid_out``: checked already, for this data
+    size), and the region's table of CRC-32Cs entry by entry, before any tensor is viewed."""
     off, length, want = record.data
     end = off + length + table_size(length)
     if off < HEADER or end > len(data):
@@ -275,7 +289,8 @@ def _check_data(data: bytes | memoryview, record: Record, manifest: dict, name: 
     if manifest.get("data_size") != length:
         raise BadSlot(f"{name}: its manifest's data size is not its record's ({length} bytes)")
     try:
-        checked_specs(manifest.get("specs"), length)
+        if not laid_out:
+            checked_specs(manifest.get("specs"), length)
     except ValueError as err:
         raise BadSlot(f"{name}: {err}") from None
     table = bytes(data[off + length : end])

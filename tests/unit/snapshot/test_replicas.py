@@ -250,3 +250,22 @@ def test_a_commit_left_to_another_thread_makes_the_slot_whole_only_then(tmp_path
     assert committed is not None and bytes(committed.numpy()) == found.path.read_bytes()[
         : committed.numel()
     ]
+
+
+def test_a_layout_checked_once_per_source_is_not_laid_out_again_but_its_bytes_are_checked(
+    tmp_path, monkeypatch
+):
+    calls = []
+    checked = sl.checked_specs
+    monkeypatch.setattr(sl, "checked_specs", lambda *a: calls.append(1) or checked(*a))
+    files = _files(tmp_path)
+    for step in (1, 2):
+        assert _arrive(files, 1, _slot(1, step, [torch.zeros(5000), torch.ones(7)])) is None
+    assert len(calls) == 1  # the second copy's manifest is the first's, byte for byte
+    data = bytearray(_slot(1, 3, [torch.zeros(5000), torch.ones(7)]))
+    record = sl.Record.unpack(bytes(data[: sl.HEADER]))
+    assert record is not None
+    data[record.data[0] + 5] ^= 1
+    assert "fail their checksum" in (_arrive(files, 1, bytes(data)) or "")
+    # another layout is laid out again
+    assert _arrive(files, 1, _slot(1, 4, [torch.zeros(9)])) is None and len(calls) == 2
