@@ -183,6 +183,16 @@ part "bench/precision.py (fp32, tf32, bf16, fp16 step time)" 60 bash -o pipefail
 { echo; echo "## bench/precision.py"; echo '```'; cat "$OUT/precision.txt" 2>/dev/null; echo '```'; } >> "$FIGURES"
 rm -f "$OUT/precision.txt"
 
+# Copies in memory from the GPU and a lost node healed from them over nccl (that one needs 2 GPUs), and the
+# copy's figures: last, so that they take what the parts above leave of the budget.
+part "pytest -m gpu: copies in memory from the GPU, a lost node healed in place" 150 "$PY" -m pytest -m gpu \
+  tests/jobs/snapshot/test_replicas_gpu.py -rA -s -p no:cacheprovider --junitxml="$OUT/junit-replicas.xml"
+part "bench/replicas.py --part device (a copy from the GPU: pinned, a side stream)" 60 bash -o pipefail -c \
+  "'$PY' bench/replicas.py --part device | tee '$OUT/replicas.txt'"
+{ echo; echo "## bench/replicas.py --part device"; echo '```'; cat "$OUT/replicas.txt" 2>/dev/null; echo '```'; } \
+  >> "$FIGURES"
+rm -f "$OUT/replicas.txt"
+
 echo
 echo "=== gpu_check: $(( SECONDS - START ))s in all; results in $OUT ==="
 if [ ${#failed[@]} -gt 0 ]; then

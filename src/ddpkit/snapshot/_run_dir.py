@@ -159,7 +159,7 @@ RESUMABLE_CHANGES = frozenset({
     "raise_on_stop_signal", "on_data_change", "new_rank_state",
     "weights_format",
     "snapshot.every_steps", "snapshot.every_epochs", "snapshot.keep", "snapshot.async_write",
-    "snapshot.memory", "snapshot.memory_every_steps",
+    "snapshot.memory", "snapshot.memory_every_steps", "snapshot.replicas",
     "logging.every_steps", "logging.progress", "logging.tensorboard", "logging.trackers",
     "early_stopping.patience",
     "strategy.bucket_cap_mb", "strategy.gradient_as_bucket_view", "strategy.static_graph",

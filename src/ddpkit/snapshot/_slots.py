@@ -31,7 +31,7 @@ from ddpkit._errors import ConfigError
 from ddpkit.distributed._channels import MEMORY, MEMORY_OFF, job_folder
 from ddpkit.distributed._collectives import tensor_bytes
 from ddpkit.platforms import _torchrun as torchrun
-from ddpkit.snapshot._codec import checked_specs, views
+from ddpkit.snapshot._codec import checked_specs, layout, views
 from ddpkit.snapshot._folders import NotRegular, open_regular
 
 MOUNT_MORE = (
@@ -187,11 +187,59 @@ def parse_slot(data: bytes, name: str = "a slot") -> tuple[Record, dict, dict, b
     return _parse(data[:HEADER], len(data), lambda o, n: data[o : o + n], data, name)
 
 
+def arrived(
+    head: bytes, body: Any, name: str, known: dict[str, Any] | None = None
+) -> tuple[Record, dict, dict]:
+    """The record, manifest and values of a slot that arrived from another rank, its header
+    ``head`` apart and its other bytes in ``body`` (the whole slot's length, a tensor or a buffer;
+    its first :data:`HEADER` bytes are not read): its parts, layout and checksums checked, else
+    :class:`BadSlot` (a slot not whole too). ``known``: the last manifest checked so, kept there (a
+    manifest of the same bytes is not parsed and laid out again: its checksums are)."""
+    view = _bytes_of(body)
+    got = _parse(head, len(view), lambda o, n: bytes(view[o : o + n]), view, name, known)
+    if got is None:
+        raise BadSlot(f"{name}: its record does not say it is whole")
+    return got[0], got[1], got[2]
+
+
+def pack(values: dict[str, Any], tensors: Sequence[torch.Tensor]) -> bytes:
+    """The bytes of a whole slot of ``tensors`` and the JSON-able ``values``, made in memory: what a
+    rank sends in place of its slot file (:func:`parse_slot` reads it)."""
+    specs, size = layout(tensors)
+    spec_list = [[s.dtype, list(s.shape), s.offset] for s in specs]
+    manifest = json.dumps({"specs": spec_list, "data_size": size}).encode()
+    value_bytes = json.dumps(values).encode()
+    values_offset = HEADER + len(manifest)
+    data_offset = _round(values_offset + len(value_bytes), 4096)
+    out = bytearray(data_offset + size + table_size(size))
+    region = torch.frombuffer(out, dtype=torch.uint8)[data_offset : data_offset + size]
+    copy_tensors(views(region, specs), tensors)
+    table = block_crcs(region)
+    out[HEADER:values_offset] = manifest
+    out[values_offset : values_offset + len(value_bytes)] = value_bytes
+    out[data_offset + size :] = table
+    record = Record(
+        1,
+        1,
+        (HEADER, len(manifest), zlib.crc32(manifest)),
+        (values_offset, len(value_bytes), zlib.crc32(value_bytes)),
+        (data_offset, size, table_crc(table)),
+    )
+    out[: _RECORD.size] = record.pack()
+    return bytes(out)
+
+
 def _parse(
-    head: bytes, size: int, read: Callable[[int, int], bytes], data: bytes, name: str
-) -> tuple[Record, dict, dict, bytes] | None:
+    head: bytes,
+    size: int,
+    read: Callable[[int, int], bytes],
+    data: bytes | memoryview,
+    name: str,
+    known: dict[str, Any] | None = None,
+) -> tuple[Record, dict, dict, Any] | None:
     """The parts of a slot of ``size`` bytes whose record is ``head``, read by ``read(offset,
-    length)``; ``data``: all its bytes, whose layout and checksums are then checked too."""
+    length)``; ``data``: all its bytes, whose layout and checksums are then checked too (the
+    layout once, where ``known`` holds the same manifest: :func:`arrived`)."""
     record = Record.unpack(head)
     if record is None or not record.whole:
         return None
@@ -208,20 +256,29 @@ def _parse(
         if zlib.crc32(raw) != crc:
             raise BadSlot(f"{name}: its {what} fail their CRC-32")
         parts.append(raw)
+    laid_out = known is not None and known.get("raw") == parts[0]
     try:
-        manifest, values = json.loads(parts[0]) if data else {}, json.loads(parts[1])
+        if laid_out:
+            manifest = known["manifest"]  # type: ignore[index]
+        else:
+            manifest = json.loads(parts[0]) if data else {}
+        values = json.loads(parts[1])
     except (ValueError, RecursionError) as err:
         raise BadSlot(f"{name}: its manifest or values are not JSON ({err})") from None
     if not isinstance(manifest, dict) or not isinstance(values, dict):
         raise BadSlot(f"{name}: its manifest or values are not a record")
     if data:
-        _check_data(data, record, manifest, name)
+        _check_data(data, record, manifest, name, laid_out)
+        if known is not None:
+            known.update(raw=parts[0], manifest=manifest)
     return record, manifest, values, data
 
 
-def _check_data(data: bytes, record: Record, manifest: dict, name: str) -> None:
-    """The manifest's layout inside the data region, and the region's table of CRC-32Cs entry by
-    entry, before any tensor is viewed."""
+def _check_data(
+    data: bytes | memoryview, record: Record, manifest: dict, name: str, laid_out: bool = False
+) -> None:
+    """The manifest's layout inside the data region (``laid_out``: checked already, for this data
+    size), and the region's table of CRC-32Cs entry by entry, before any tensor is viewed."""
     off, length, want = record.data
     end = off + length + table_size(length)
     if off < HEADER or end > len(data):
@@ -232,7 +289,8 @@ def _check_data(data: bytes, record: Record, manifest: dict, name: str) -> None:
     if manifest.get("data_size") != length:
         raise BadSlot(f"{name}: its manifest's data size is not its record's ({length} bytes)")
     try:
-        checked_specs(manifest.get("specs"), length)
+        if not laid_out:
+            checked_specs(manifest.get("specs"), length)
     except ValueError as err:
         raise BadSlot(f"{name}: {err}") from None
     table = bytes(data[off + length : end])
@@ -262,7 +320,6 @@ class Found:
     rank: int
     step: int
     position: tuple[int, ...]
-    peers: bool
 
 
 class _Slot:
@@ -272,14 +329,24 @@ class _Slot:
         self.path = path
         self.record: Record | None = None
         self.fd: int | None = None
-        self.region: torch.Tensor | None = None  # the data region, mapped
+        self.file: torch.Tensor | None = None  # the whole file, mapped
+        self.pinned: int | None = None  # the address registered with CUDA, if it is
+        self.region: torch.Tensor | None = None  # its data region
         self.dests: list[torch.Tensor] = []
         self.layout_id: object = None
         self.manifest_bytes = b""
         self.values_capacity = self.values_offset = self.data_offset = self.data_size = 0
 
+    @property
+    def length(self) -> int:
+        """The bytes of the file a reader needs: up to the end of the table of checksums."""
+        return self.data_offset + self.data_size + table_size(self.data_size)
+
     def close(self) -> None:
-        self.region, self.dests, self.layout_id = None, [], None
+        if self.pinned is not None:  # no copy is in flight: its commit was waited for
+            torch.cuda.cudart().cudaHostUnregister(self.pinned)
+            self.pinned = None
+        self.file, self.region, self.dests, self.layout_id = None, None, [], None
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
@@ -298,6 +365,7 @@ class Slots:
             raise MemoryUnavailable(f"the job's memory folder {self.folder} is gone")
         self.slots = [_Slot(self.folder / f"{run}-rank{rank}-{i}.slot") for i in (0, 1)]
         self.generation = 0
+        self.last: _Slot | None = None  # the slot the last save committed
         self.damaged: list[str] = []
         """What :meth:`found` last found wrong with whole slots it left out, naming each file."""
         for slot in self.slots:
@@ -324,7 +392,46 @@ class Slots:
         layout_id: object,
     ) -> None:
         """Commit ``tensors`` (laid out as ``manifest["specs"]``, named ``layout_id``) with the
-        JSON-able ``values`` into the older slot; :class:`MemoryUnavailable` if memory is full."""
+        JSON-able ``values`` into the older slot; :class:`MemoryUnavailable` if memory is full.
+        :meth:`committed` then holds its bytes."""
+        slot, commit = self._begin(values, manifest, layout_id)
+        copy_tensors(slot.dests, tensors)
+        commit()
+
+    def save_from_device(
+        self,
+        values: dict[str, Any],
+        tensors: Sequence[torch.Tensor],
+        manifest: dict[str, Any],
+        layout_id: object,
+        stream: Any,
+    ) -> Callable[[], None]:
+        """:meth:`save` of tensors on a GPU, the host not held: the copies are queued on ``stream``
+        (a CUDA stream) after the work queued so far, into the slot's pages pinned for the device
+        (``cudaHostRegister``), and the current stream waits for them (the next step cannot change
+        a tensor before its copy). Returns the commit, to call from any thread once: it waits for
+        the copies, then checksums and commits as :meth:`save`."""
+        slot, commit = self._begin(values, manifest, layout_id)
+        _pin(slot)
+        current = torch.cuda.current_stream(stream.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream), torch.no_grad():
+            torch._foreach_copy_(list(slot.dests), list(tensors), non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        current.wait_event(copied)
+
+        def after_copies() -> None:
+            copied.synchronize()
+            commit()
+
+        return after_copies
+
+    def _begin(
+        self, values: dict[str, Any], manifest: dict[str, Any], layout_id: object
+    ) -> tuple[_Slot, Callable[[], None]]:
+        """The older slot, mapped for ``manifest`` and made not whole, and its commit: the
+        checksums of its data, its values, then its record (``end`` last)."""
         slot = self._target()
         ids = {"job": self.job, "run": self.run, "rank": self.rank, "world_size": self.world_size}
         value_bytes = json.dumps(ids | values).encode()
@@ -334,29 +441,42 @@ class Slots:
         assert fd is not None and slot.region is not None  # mapped above
         self.generation += 1
         gen = self.generation
+        self.last = None
         # begin first (the slot stops being whole), then everything, then end
         os.pwrite(fd, struct.pack("<Q", gen), BEGIN_OFFSET)
         slot.record = None
-        copy_tensors(slot.dests, tensors)
-        table = block_crcs(slot.region)
-        os.pwrite(fd, value_bytes, slot.values_offset)
-        os.pwrite(fd, table, slot.data_offset + slot.data_size)
-        record = Record(
-            gen,
-            0,
-            (HEADER, len(slot.manifest_bytes), zlib.crc32(slot.manifest_bytes)),
-            (slot.values_offset, len(value_bytes), zlib.crc32(value_bytes)),
-            (slot.data_offset, slot.data_size, table_crc(table)),
-        )
-        os.pwrite(fd, record.pack(), 0)
-        os.pwrite(fd, struct.pack("<Q", gen), END_OFFSET)
-        slot.record = Record(gen, gen, record.manifest, record.values, record.data)
+
+        def commit() -> None:
+            assert slot.region is not None
+            table = block_crcs(slot.region)
+            os.pwrite(fd, value_bytes, slot.values_offset)
+            os.pwrite(fd, table, slot.data_offset + slot.data_size)
+            record = Record(
+                gen,
+                0,
+                (HEADER, len(slot.manifest_bytes), zlib.crc32(slot.manifest_bytes)),
+                (slot.values_offset, len(value_bytes), zlib.crc32(value_bytes)),
+                (slot.data_offset, slot.data_size, table_crc(table)),
+            )
+            os.pwrite(fd, record.pack(), 0)
+            os.pwrite(fd, struct.pack("<Q", gen), END_OFFSET)
+            slot.record = Record(gen, gen, record.manifest, record.values, record.data)
+            self.last = slot
+
+        return slot, commit
+
+    def committed(self) -> torch.Tensor | None:
+        """The bytes of the slot the last :meth:`save` committed (its mapping, not a copy: valid
+        until the save after next overwrites that slot), or None."""
+        slot = self.last
+        if slot is None or slot.file is None:
+            return None
+        return slot.file[: slot.length]
 
     def _map(
         self, slot: _Slot, manifest: dict[str, Any], layout_id: object, values_len: int
     ) -> None:
-        """(Re)make ``slot``'s file for a new layout; its pages are reserved (``posix_fallocate``)
-        before they are mapped, so a full memory is an error here, never SIGBUS in a copy."""
+        """(Re)make ``slot``'s file for a new layout (:func:`map_file`)."""
         slot.close()
         slot.manifest_bytes = json.dumps(manifest).encode()
         data_size = manifest["data_size"]
@@ -364,29 +484,13 @@ class Slots:
         slot.values_offset = _round(HEADER + len(slot.manifest_bytes), 4096)
         slot.data_offset = _round(slot.values_offset + slot.values_capacity, 4096)
         slot.data_size = data_size
-        size = slot.data_offset + max(data_size + table_size(data_size), 1)
+        fd, mapped = map_file(slot.path, slot.length, self.folder)
         try:
-            fd = fs.open_fd(slot.path, os.O_RDWR | os.O_CREAT, 0o600)
-        except ConfigError as err:  # a link, or another user's file, in the job's folder
-            raise MemoryUnavailable(f"cannot make {slot.path}: {err}") from None
-        try:
-            os.pwrite(fd, bytes(HEADER), 0)  # not whole from here on, whatever the file holds
-            os.ftruncate(fd, size)
-            os.posix_fallocate(fd, 0, size)
             os.pwrite(fd, slot.manifest_bytes, HEADER)
         except OSError as err:
             os.close(fd)
-            with contextlib.suppress(OSError):
-                fs.remove(slot.path)
-            if err.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-                raise MemoryUnavailable(
-                    f"no room for {size / 2**20:.1f} MiB in {self.folder} ({err.strerror}): "
-                    + MOUNT_MORE
-                ) from None
-            raise MemoryUnavailable(f"cannot make {slot.path}: {err.strerror}") from None
-        storage = torch.UntypedStorage.from_file(str(slot.path), shared=True, nbytes=size)
-        mapped = torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[arg-type]
-        slot.fd, slot.layout_id = fd, layout_id
+            raise MemoryUnavailable(f"cannot write {slot.path}: {err.strerror}") from None
+        slot.fd, slot.layout_id, slot.file = fd, layout_id, mapped
         slot.region = mapped[slot.data_offset : slot.data_offset + data_size]
         slot.dests = views(slot.region, checked_specs(manifest["specs"], data_size))
         slot.record = None
@@ -419,21 +523,15 @@ class Slots:
             ):
                 self.damaged.append(f"{path}: its values do not say which rank and step it holds")
                 continue
-            out.append(Found(path, rank, step, tuple(position), bool(values.get("peers"))))
+            out.append(Found(path, rank, step, tuple(position)))
         return out
 
     def discard_except(self, keep: Path | None = None) -> None:
         """Make this rank's slots not whole, except ``keep`` (the state resumed from)."""
         for slot in self.slots:
-            if slot.path == keep or not slot.path.exists():
-                continue
-            with contextlib.suppress(OSError, ConfigError):
-                fd = fs.open_fd(slot.path, os.O_WRONLY)
-                try:
-                    os.pwrite(fd, bytes(24), 0)
-                finally:
-                    os.close(fd)
-            slot.record = None
+            if slot.path != keep:
+                unmake(slot.path)
+                slot.record = None
 
     def remove(self) -> None:
         """Delete this rank's slot files (the run finished)."""
@@ -447,8 +545,73 @@ class Slots:
             slot.close()
 
 
+def map_file(path: Path, size: int, folder: Path) -> tuple[int, torch.Tensor]:
+    """A file of ``size`` bytes (at least one) at ``path``, its header zeroed (not whole, whatever
+    it held), open and mapped: (its descriptor, its bytes). Its pages are reserved
+    (``posix_fallocate``) before they are mapped, so a full memory is :class:`MemoryUnavailable`
+    here, never SIGBUS in a copy."""
+    size = max(size, HEADER + 1)
+    try:
+        fd = fs.open_fd(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except ConfigError as err:  # a link, or another user's file, in the job's folder
+        raise MemoryUnavailable(f"cannot make {path}: {err}") from None
+    try:
+        os.pwrite(fd, bytes(HEADER), 0)  # not whole from here on, whatever the file holds
+        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)
+    except OSError as err:
+        os.close(fd)
+        with contextlib.suppress(OSError, ConfigError):
+            fs.remove(path)
+        if err.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise MemoryUnavailable(
+                f"no room for {size / 2**20:.1f} MiB in {folder} ({err.strerror}): " + MOUNT_MORE
+            ) from None
+        raise MemoryUnavailable(f"cannot make {path}: {err.strerror}") from None
+    storage = torch.UntypedStorage.from_file(str(path), shared=True, nbytes=size)
+    return fd, torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[arg-type]
+
+
+def unmake(path: Path) -> None:
+    """Make the slot file at ``path`` not whole (its record's magic and generations zeroed), where
+    it exists."""
+    if not path.exists():
+        return
+    with contextlib.suppress(OSError, ConfigError):
+        fd = fs.open_fd(path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, bytes(24), 0)
+        finally:
+            os.close(fd)
+
+
+def slot_bytes(path: Path) -> bytes | None:
+    """The bytes of the slot file at ``path`` as they are (unchecked), None where it cannot be
+    read."""
+    try:
+        fd = open_regular(path)
+    except (OSError, NotRegular):
+        return None
+    try:
+        with os.fdopen(os.dup(fd), "rb") as f:  # a loop of reads: one read stops at 2 GiB
+            return f.read()
+    finally:
+        os.close(fd)
+
+
 def _round(n: int, to: int) -> int:
     return -(-n // to) * to
+
+
+def _pin(slot: _Slot) -> None:
+    """Register ``slot``'s mapped pages with CUDA, so a device's copies go to them directly at full
+    speed (torch's own checkpoint stager pins shared memory so); where it cannot, the copies go
+    through a staging buffer, as to any pageable memory."""
+    if slot.pinned is not None or slot.file is None or slot.file.numel() == 0:
+        return
+    address = slot.file.data_ptr()
+    if int(torch.cuda.cudart().cudaHostRegister(address, slot.file.numel(), 0)) == 0:
+        slot.pinned = address
 
 
 def copy_tensors(dests: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:

@@ -91,7 +91,7 @@ class Snapshots:
     ``own``: such objects each rank keeps its own of (at another world size, a rank beyond the old
     world gets what ``new_rank_state`` says, as ``TrainerConfig.new_rank_state``). ``every_steps``:
     a snapshot every this many :meth:`step` calls (None: only :meth:`save` and stop signals);
-    ``keep``, ``async_write``, ``memory``, ``memory_every_steps``: as
+    ``keep``, ``async_write``, ``memory``, ``memory_every_steps``, ``replicas``: as
     :class:`~ddpkit.SnapshotConfig`'s. ``signals_every_steps``: how often the ranks agree on a stop
     signal (one all-reduce of one number). ``seed``: what the streams are reseeded from at another
     world size (default: the loader's seed, else 0).
@@ -114,6 +114,7 @@ class Snapshots:
         async_write: bool = True,
         memory: bool = False,
         memory_every_steps: int | None = None,
+        replicas: int | None = None,
         signals_every_steps: int = 20,
         seed: int | None = None,
         runtime: Runtime | None = None,
@@ -121,7 +122,7 @@ class Snapshots:
         # checks every_steps, keep and the rest, naming a wrong one (a string from argparse too)
         config = SnapshotConfig(
             every_steps=every_steps, every_epochs=0, keep=keep, async_write=async_write,
-            memory=memory, memory_every_steps=memory_every_steps,
+            memory=memory, memory_every_steps=memory_every_steps, replicas=replicas,
         )  # fmt: skip
         if signals_every_steps < 1:
             raise ConfigError(f"Snapshots(signals_every_steps={signals_every_steps}): give >= 1")
@@ -225,7 +226,9 @@ class Snapshots:
         if config.memory:  # a restart resumes from them even under resume=False: see Trainer.fit
             from ddpkit.snapshot._memory import open_memory
 
-            self.memory = open_memory(run_dir, runtime, strategy, config.memory_every_steps)
+            self.memory = open_memory(
+                run_dir, runtime, strategy, config.memory_every_steps, config.replicas
+            )
         elif recovers_in_place():
             raise ConfigError(
                 "ddpkit run --recover in-place resumes every rank from the copies in memory, and "

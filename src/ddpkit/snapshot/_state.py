@@ -197,6 +197,11 @@ class SnapshotConfig:
     memory_every_steps: int | None = None
     """Copy to memory every this many optimizer steps; None: every step, unless the first copies
     hold the loop longer than 5% of a step, then the smallest interval that keeps them within."""
+    replicas: int | None = None
+    """Copies of each rank's copy in memory, its own included, kept on as many nodes: each of the
+    other K-1 held by a rank of another node, sent beside training, so that a lost node (any K-1)
+    resumes from memory under every strategy. None: 2 where the job spans nodes; 1: none leaves the
+    node (docs/snapshots.md, "Copies on other nodes")."""
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -208,6 +213,7 @@ class SnapshotConfig:
                 "keep": self.keep >= 1,
                 "memory_every_steps": self.memory_every_steps is None
                 or self.memory_every_steps >= 1,
+                "replicas": self.replicas is None or self.replicas >= 1,
             },
         )
 

@@ -15,6 +15,7 @@ and the controls: memory off, and no copy of every rank's own part on its peers.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import threading
@@ -25,6 +26,7 @@ from typing import Any
 import ddpkit
 import ddpkit.snapshot._memory
 import ddpkit.snapshot._slots
+import tests.jobs.scripts.train_job as train_job
 from ddpkit.distributed._channels import JOB_DIR_ENV
 from tests.jobs.scripts.train_job import train
 from tests.tmpfs import fill
@@ -129,7 +131,7 @@ def parse_args() -> argparse.Namespace:
         "--memory-every", default="1", help="every N steps, or 'auto' (ddpkit's default)"
     )
     p.add_argument(
-        "--no-peers", action="store_true", help="no copy of every rank's own part on every rank"
+        "--no-peers", action="store_true", help="no copy of a rank's state on another node"
     )
     p.add_argument(
         "--stall-budget", type=float, default=None, help="the share of a step a save may take"
@@ -199,12 +201,15 @@ def main() -> None:
     if a.kill_in_copy is not None and rank == a.kill_in_copy_rank:
         dying = kill_inside_copy(a.kill_in_copy, a.log)
 
+    if a.no_peers:
+        config = train_job.SnapshotConfig
+        train_job.SnapshotConfig = functools.partial(config, replicas=1)  # type: ignore[misc]
+
     def hook(trainer: Any) -> None:
-        if a.no_peers and trainer.memory is not None:
-            trainer.memory.peers = False
         if dying is not None:
             dying.trainer = trainer
-        memory = "off" if trainer.memory is None else "peers" if trainer.memory.peers else "on"
+        memory = trainer.memory
+        memory = "off" if memory is None else "peers" if memory.courier is not None else "on"
         Path(a.log, f"memory-rank{trainer.runtime.rank}-pid{os.getpid()}").write_text(memory)
 
     train(

@@ -5,25 +5,22 @@ lost node served by a peer."""
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import random
 import signal
 import subprocess
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from ddpkit._launch.agent import jobdir
-from ddpkit.distributed._channels import JOB_DIR_ENV, MEMORY
 from ddpkit.snapshot import _codec as region
 from ddpkit.snapshot import _slots as ms
 from ddpkit.snapshot import _slots as mslot
-from ddpkit.testing import run_on_ranks, wait_job, wait_until
+from ddpkit.testing import wait_job, wait_until
 from tests.jobs.launch import netns
 from tests.jobs.snapshot.memory_jobs import (
     SEED,
@@ -325,60 +322,7 @@ def test_zero_and_fsdp_resume_a_killed_worker_from_memory_bitwise(
     assert rank_differences(tmp_path / "killed.pt", tmp_path / "reference.pt") == {0: [], 1: []}
 
 
-# -- with peers: a rank that stops, and a lost node ------------------------------------------------
-
-
-def _peers_job(roots: list[str], protocol: bool) -> tuple[int, bool]:
-    """train_job's model for 6 steps with peers on; rank r's job folder is ``roots[r]``."""
-    from ddpkit.snapshot import _memory as memory_snapshots
-    from tests.jobs.scripts.train_job import train
-
-    rank = int(os.environ["RANK"])
-    os.environ[JOB_DIR_ENV] = roots[rank]  # its job folder, with its memory folder in it
-    # the control: a rank that stops just stops, as if saves were not collective with peers
-    if not protocol:
-        original = memory_snapshots.MemoryStore.save_step
-
-        def save(self, parts):
-            self._leave_next = False
-            if self.enabled:
-                original(self, parts)
-                self._leave_next = False
-
-        memory_snapshots.MemoryStore.save_step = save  # type: ignore[method-assign]
-    held = []
-
-    def hook(trainer):
-        trainer.memory.peers = True
-        held.append(trainer)
-
-    run_dir = os.path.join(roots[0], "..", f"run-{protocol}")
-    final = train(run_dir, max_steps=6, snapshot_every_steps=None, memory=True, trainer_hook=hook)
-    return final["step"], held[0].memory.enabled
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_with_peers_a_rank_whose_memory_is_full_stops_every_ranks_copies_without_a_hang(
-    tmp_path, monkeypatch
-):
-    (tmp_path / "roomy").mkdir()
-    monkeypatch.setenv("DDPKIT_COLLECTIVE_TIMEOUT", "10")  # the memory store's waits too
-    with small_tmpfs(tmp_path / "tiny", "64k"):
-        roots = [str(tmp_path / "roomy" / "job"), str(tmp_path / "tiny" / "job")]
-        for root in roots:
-            os.makedirs(os.path.join(root, MEMORY))
-        on_ranks = functools.partial(run_on_ranks, collective_timeout=10, timeout=300)
-        results = on_ranks(functools.partial(_peers_job, roots, True), 2)
-        # Rank 1 had no room; it told rank 0 in the next gather, and both went on without copies to
-        # memory.
-        assert results == [(6, False), (6, False)]
-        # Control: a rank that stops saving without telling leaves the other waiting in the next
-        # gather, until the collective timeout ends the job.
-        start = time.monotonic()
-        with pytest.raises(Exception, match="(?i)timed out|timeout"):
-            on_ranks(functools.partial(_peers_job, roots, False), 2)
-        assert time.monotonic() - start >= 10
+# -- a lost node ---------------------------------------------------------------------------------
 
 
 @pytest.mark.slow

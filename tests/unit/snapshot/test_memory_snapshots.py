@@ -146,26 +146,14 @@ def test_the_memory_interval_is_checked_where_it_is_given():
 # -- where every rank resumes ----------------------------------------------------------------------
 
 
-def _offer(own=(), peers=()):
-    return {"own": [list(p) for p in own], "peers": [list(p) for p in peers]}
+def _offer(own=()):
+    return {"own": [list(p) for p in own], "replicas": {}}
 
 
 def test_ranks_resume_from_the_newest_step_all_of_them_hold():
     a, b, c = (0, 6, 48), (0, 7, 56), (0, 8, 64)  # (epoch, step, cursor)
     # Rank 1 was killed while copying step 8: it holds 7 and 6; the others hold 8 and 7.
     offers = [_offer([b, c]), _offer([a, b]), _offer([b, c])]
-    assert choose(offers, disk_step=-1) == Choice(b, None, ())
+    assert choose(offers, disk_step=-1) == Choice(b)
     assert choose(offers, disk_step=7) is None  # the disk's newest is as new: resume from disk
-    assert choose(offers, disk_step=6) == Choice(b, None, ())
-
-
-def test_a_rank_without_state_is_served_by_a_rank_that_holds_every_ranks_part():
-    a, b = (1, 10, 0), (1, 11, 8)
-    # Rank 2's node is new: it holds nothing. Ranks 0 and 1 hold every rank's part (peers).
-    offers = [_offer([a, b], [a, b]), _offer([a, b], [a, b]), _offer()]
-    assert choose(offers, -1) == Choice(b, 0, (2,))
-    # Control: without peers nobody can give rank 2 its own state (RNG, buffers): no resume from
-    # memory.
-    assert choose([_offer([a, b]), _offer([a, b]), _offer()], -1) is None
-    # A rank that took another's place holds that rank's slots with peers only: it is served too.
-    assert choose([_offer([], [b]), _offer()], -1) == Choice(b, 0, (0, 1))
+    assert choose(offers, disk_step=6) == Choice(b)

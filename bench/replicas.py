@@ -1,0 +1,523 @@
+"""Copies of each rank's state on other nodes (``SnapshotConfig(replicas=2)``): what they cost a
+step, what they send and hold, how fast a lost node is healed from them, and how they grow with the
+world. CPU processes over gloo on this machine, each rank a node of its own (its own job folder in
+``/dev/shm``, local rank 0), so every copy leaves its "node" over a socket as it would over the
+network (loopback here: no network's bandwidth or latency).
+
+``--part steps``: the DDP tutorials' CNN and the 196-tensor transformer of
+``bench/loader_overhead.py`` under ``fsdp`` and ``ddp`` on 2 ranks, a copy in memory after every
+step, trained with copies on the other node (``replicas=2``) and without (``replicas=1``) in each
+round, in an order that rotates and reverses from round to round; per round the median step (the
+time between two steps' ends, the copy and any wait for its transfer included), reported as the
+median over rounds of the per-round ratio with a distribution-free 95% interval; with the bytes a
+rank sends per copy, a transfer's median time beside training, the save's stall, and what a rank's
+copies occupy in ``/dev/shm`` (its own two slots and the two copies it holds of the other rank).
+Target: at most 1.02.
+
+``--part recovery``: two ``ddpkit run --nnodes 2 --nproc 1 --recover in-place`` agents on this
+machine train the transformer under ``fsdp`` (a disk snapshot every 10 steps); node b (its agent and
+worker) is SIGKILLed once rank 0 has finished step 25, and a new node is started in its place at
+once. With copies: healed from rank 0's copy of rank 1's state; without (``replicas=1``): every
+rank back to the disk snapshot of step 20. Reported: the ``recover`` record's phases, from the new
+node's start (its ``ddpkit run``, and its worker's process) to the first step after, the steps lost,
+and from the kill to step 25 done again. Target: the first step at most 2 s after the new node's
+start.
+
+``--part scale``: W ranks (each a node) for W in ``--sizes``, rounds of a copy of ``--mib`` MiB to
+the next rank: a rank's CPU per round (every thread of its process: the criterion of
+docs/scale.md, as the machine has fewer cores than ranks), and the restore's agreement (every
+rank's offer gathered, the plan chosen); each fitted as a * W^b and carried to 1,024 ranks.
+
+    python bench/replicas.py                          # all three parts
+    python bench/replicas.py --part steps --rounds 9 --steps 60
+    python bench/replicas.py --part recovery --repeats 3
+    python bench/replicas.py --part scale --sizes 2,4,8,16
+    python bench/replicas.py --part device           # on a GPU (scripts/gpu_check.sh runs it)
+
+``--part device``: on a GPU, a state copied into a slot the plain way and from the device (pinned
+pages, a side stream, the commit in a thread): the host's stall, the time to whole, and how long the
+device's next work waits for the copies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import functools
+import importlib.util
+import io
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import ddpkit
+from ddpkit.distributed._channels import JOB_DIR_ENV, MEMORY
+
+ROOT = Path(__file__).resolve().parents[1]
+_here = Path(__file__).parent
+sys.path.insert(0, str(_here))  # loader_overhead imports trainer_overhead as a sibling
+
+
+def _sibling(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, _here / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# -- steps: the cost of the copies on a step -------------------------------------------------------
+
+
+def _as_node(roots: list[str]) -> int:
+    """This rank a node of its own: local rank 0, its own job folder."""
+    rank = int(os.environ["RANK"])
+    os.environ.update({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", JOB_DIR_ENV: roots[rank]})
+    return rank
+
+
+class Stamps:
+    def __init__(self, folder: Path, run: str, at: int) -> None:
+        self.ends: list[float] = []
+        self.folder, self.run, self.at, self.held = folder, run, at, 0
+
+    def on_step_end(self, trainer: Any, taken: bool, output: Any) -> None:
+        self.ends.append(time.perf_counter())
+        if trainer.step == self.at:  # what this rank's copies occupy, its own and those it holds
+            self.held = sum(p.stat().st_size for p in self.folder.glob(f"{self.run}-*.slot"))
+
+
+def _fit(model: str, strategy: str, replicas: int, steps: int, runs: str, folder: Path) -> dict:
+    from ddpkit.snapshot._slots import run_key
+    from ddpkit.training._config import LoggingConfig, SnapshotConfig
+    from ddpkit.training._trainer import Trainer, TrainerConfig
+
+    loader_overhead = _sibling("loader_overhead")
+    torch.manual_seed(0)
+    net, data, loss_fn, batch, _ = loader_overhead.model_case(model, steps * 2 * 32)
+    run_dir = os.path.join(runs, f"{model}-{strategy}-{replicas}-{time.monotonic_ns()}")
+    run_dir = ddpkit.broadcast_object(run_dir)
+    config = TrainerConfig(
+        run_dir=run_dir, batch_size=batch, epochs=1, max_steps=steps, num_workers=0,
+        strategy=strategy,
+        snapshot=SnapshotConfig(every_epochs=0, memory=True, memory_every_steps=1,
+                                replicas=replicas),
+        logging=LoggingConfig(progress=False, every_steps=10_000),
+    )  # fmt: skip
+    stamps = Stamps(folder, run_key(run_dir), steps - 2)
+    trainer = Trainer(net, torch.optim.Adam(net.parameters(), lr=1e-3), data, config,
+                      loss_fn=loss_fn, callbacks=[stamps])  # fmt: skip
+    memory = trainer.memory
+    assert memory is not None and memory.replicas == replicas, "no memory folder, or no copies"
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer.fit()
+    warm = 5
+    gaps = [b - a for a, b in zip(stamps.ends[warm:], stamps.ends[warm + 1 :])]
+    rounds = [r for r in memory.rounds if not r.stopped]
+    return {
+        "step": statistics.median(gaps),
+        "stall": statistics.median(memory.stalls[warm:]),
+        "transfer": statistics.median(r.seconds for r in rounds) if rounds else 0.0,
+        "sent": max((r.sent for r in rounds), default=0),
+        "held": stamps.held,
+    }
+
+
+def steps_job(roots: list[str], runs: str, cases: list[tuple[str, str]], rounds: int, steps: int):
+    rank = _as_node(roots)
+    ddpkit.init()
+    folder = Path(roots[rank], MEMORY)
+    out: dict[str, list[dict]] = {}
+    for r in range(rounds):
+        order = [1, 2] if r % 2 == 0 else [2, 1]
+        for model, strategy in cases[r % len(cases) :] + cases[: r % len(cases)]:
+            for replicas in order:
+                got = _fit(model, strategy, replicas, steps, runs, folder)
+                out.setdefault(f"{model}|{strategy}|{replicas}", []).append(got)
+    return out
+
+
+def _median_ci(xs: list[float]) -> tuple[float, float, float]:
+    """The median and a distribution-free 95% interval (order statistics; the range under 6)."""
+    s = sorted(xs)
+    n = len(s)
+    if n < 6:
+        return statistics.median(s), s[0], s[-1]
+    k = max(0, int(n / 2 - 0.98 * n**0.5))
+    return statistics.median(s), s[k], s[n - 1 - k]
+
+
+def part_steps(a: argparse.Namespace) -> None:
+    cases = [tuple(c.split(":")) for c in a.cases.split(",")]
+    tmp = Path(tempfile.mkdtemp(prefix="replicas-steps-", dir="/dev/shm"))
+    runs = tempfile.mkdtemp(prefix="replicas-runs-")
+    roots = [str(tmp / f"node{r}") for r in range(2)]
+    for root in roots:
+        os.makedirs(os.path.join(root, MEMORY))
+    try:
+        job = functools.partial(steps_job, roots, runs, cases, a.rounds, a.steps)
+        out = ddpkit.spawn(job, 2, threads_per_process=1)[0]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(runs, ignore_errors=True)
+    print(f"\n## steps: {a.rounds} rounds x {a.steps} steps, 2 ranks (2 nodes of 1), rank 0\n")
+    print(
+        "| model | strategy | step, off (ms) | step, on (ms) | on / off (95%) | sent per copy "
+        "| transfer (ms) | stall, on (ms) | held in /dev/shm, off / on |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    names = {"cnn": "the DDP tutorials' CNN", "transformer": "transformer, 196 tensors"}
+    for model, strategy in cases:
+        off, on = out[f"{model}|{strategy}|1"], out[f"{model}|{strategy}|2"]
+        ratios = [b["step"] / x["step"] for x, b in zip(off, on)]
+        med, lo, hi = _median_ci(ratios)
+        ms = lambda rs, k: 1e3 * statistics.median(r[k] for r in rs)  # noqa: E731
+        print(
+            f"| {names[model]} | {strategy} | {ms(off, 'step'):.2f} | {ms(on, 'step'):.2f} | "
+            f"{med:.3f} ({lo:.3f}-{hi:.3f}) | {on[-1]['sent'] / 1e3:.1f} kB | "
+            f"{ms(on, 'transfer'):.2f} | {ms(off, 'stall'):.2f} / {ms(on, 'stall'):.2f} | "
+            f"{off[-1]['held'] / 1e6:.2f} / {on[-1]['held'] / 1e6:.2f} MB |"
+        )
+
+
+# -- recovery: a lost node healed from its copies, or from the disk --------------------------------
+
+HOLD_STEP, DISK_EVERY, STEPS = 25, 10, 40
+
+
+def _process_start() -> float:
+    """This process's start (the kernel's, to 10 ms)."""
+    with open("/proc/self/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/stat") as f:
+        boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+class StepTimes:
+    """``attempt step time`` after each step, in ``stamps/rank<r>.txt``."""
+
+    def __init__(self, folder: Path, rank: int, attempt: int) -> None:
+        self.file = open(folder / f"rank{rank}.txt", "a", buffering=1)  # noqa: SIM115
+        self.attempt = attempt
+
+    def on_step_end(self, trainer: Any, taken: bool, output: Any) -> None:
+        self.file.write(f"{self.attempt} {trainer.step} {time.time()}\n")
+
+
+def recovery_job(run_dir: str, stamps: str, replicas: int) -> None:
+    """A node's worker: the transformer under fsdp, a copy in memory every step."""
+    from ddpkit.training._config import LoggingConfig, SnapshotConfig
+    from ddpkit.training._trainer import Trainer, TrainerConfig
+
+    started = _process_start()
+    rt = ddpkit.init()
+    folder = Path(stamps)
+    (folder / f"start-rank{rt.rank}-attempt{rt.restart_count}").write_text(str(started))
+    loader_overhead = _sibling("loader_overhead")
+    torch.manual_seed(0)
+    net, data, loss_fn, batch, _ = loader_overhead.model_case("transformer", STEPS * 64)
+    config = TrainerConfig(
+        run_dir=run_dir, batch_size=batch, epochs=1, max_steps=STEPS, num_workers=0,
+        strategy="fsdp",
+        snapshot=SnapshotConfig(every_steps=DISK_EVERY, every_epochs=0, memory=True,
+                                memory_every_steps=1, replicas=replicas),
+        logging=LoggingConfig(progress=False, every_steps=10_000),
+    )  # fmt: skip
+    times = StepTimes(folder, rt.rank, rt.restart_count)
+    trainer = Trainer(net, torch.optim.Adam(net.parameters(), lr=1e-3), data, config,
+                      loss_fn=loss_fn, callbacks=[times])  # fmt: skip
+    trainer.fit()
+    ddpkit.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stamps(folder: Path, rank: int) -> list[tuple[int, int, float]]:
+    path = folder / f"rank{rank}.txt"
+    if not path.exists():
+        return []
+    return [(int(a), int(s), float(t)) for a, s, t in map(str.split, path.read_text().splitlines())]
+
+
+def _lose_node_once(root: Path, replicas: int, i: int) -> dict:
+    run_dir, stamps = root / f"run-{replicas}-{i}", root / f"stamps-{replicas}-{i}"
+    shm = root / "shm"
+    for folder in (stamps, shm):
+        folder.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "RANK"))}
+    env |= {"DDPKIT_RDZV_SECRET": "b2" * 32, "DDPKIT_MEMORY_ROOT": str(shm),
+            "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}",
+            "CUDA_VISIBLE_DEVICES": ""}  # fmt: skip
+    cmd = [sys.executable, "-m", "ddpkit.cli", "run", "--nnodes", "2", "--nproc", "1",
+           "--max-restarts", "3", "--recover", "in-place", "--rdzv-endpoint",
+           f"127.0.0.1:{_free_port()}", str(Path(__file__).resolve()), "--job", str(run_dir),
+           str(stamps), str(replicas)]  # fmt: skip
+
+    def node(label: str) -> subprocess.Popen:
+        log = open(root / f"{replicas}-{i}-{label}.log", "w")  # noqa: SIM115
+        return subprocess.Popen(cmd, env=env, cwd=root, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+
+    a, b = node("a"), node("b")
+    deadline = time.monotonic() + 600
+    while not any(s == HOLD_STEP for _, s, _ in _stamps(stamps, 0)):
+        if time.monotonic() > deadline or a.poll() is not None:
+            raise RuntimeError(f"no step {HOLD_STEP}: see {root}/{replicas}-{i}-a.log")
+        time.sleep(0.01)
+    killed = time.time()
+    os.killpg(b.pid, signal.SIGKILL)
+    b.wait()
+    new_start = time.time()
+    b = node("b2")
+    for p in (a, b):
+        if p.wait(timeout=900) != 0:
+            raise RuntimeError(f"a node failed: see {root}/{replicas}-{i}-*.log")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    (event,) = [r for r in records if r.get("event") == "recover"]
+    after = [(s, t) for att, s, t in _stamps(stamps, 0) if att == 1]
+    done_before = max(s for att, s, _ in _stamps(stamps, 0) if att == 0)
+    first_step = after[0][1]
+    back = next(t for s, t in after if s >= done_before)
+    worker_start = float((stamps / "start-rank1-attempt1").read_text())
+    return {
+        "source": event["source"], "resumed": event["step"], "lost": done_before - event["step"],
+        "phases": event["seconds"], "from_new_node": first_step - new_start,
+        "from_new_worker": first_step - worker_start, "kill_to_first": first_step - killed,
+        "kill_to_back": back - killed,
+    }  # fmt: skip
+
+
+def part_recovery(a: argparse.Namespace) -> None:
+    root = Path(tempfile.mkdtemp(prefix="replicas-recovery-"))
+    results: dict[int, list[dict]] = {1: [], 2: []}
+    try:
+        for i in range(a.repeats):
+            for replicas in (2, 1) if i % 2 == 0 else (1, 2):
+                results[replicas].append(_lose_node_once(root, replicas, i))
+    finally:
+        if not a.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    print(f"\n## recovery: fsdp, the transformer, 2 nodes of 1 rank; node b SIGKILLed after "
+          f"step {HOLD_STEP}, a disk snapshot every {DISK_EVERY} steps; {a.repeats} runs each, "
+          "medians\n")  # fmt: skip
+    print("| from | resumed at | steps lost | leave | decide | regroup | restore | new node's "
+          "start to first step | its worker's start to first step | kill to first step | kill "
+          f"to step {HOLD_STEP} again |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for replicas, label in ((2, "copies in memory"), (1, "disk (replicas=1)")):
+        rs = results[replicas]
+
+        def med(key: str, rs: list[dict] = rs) -> float:
+            return statistics.median(r["phases"][key] if key in r["phases"] else r[key] for r in rs)
+
+        cells = [f"{med(k):.0f}" for k in ("resumed", "lost")]
+        cells += [f"{med(k):.2f}" for k in ("leave", "decide", "regroup", "restore")]
+        cells += [f"{med(k):.2f} s" for k in ("from_new_node", "from_new_worker", "kill_to_first",
+                                               "kill_to_back")]  # fmt: skip
+        print(f"| {label}: `{rs[0]['source']}` | " + " | ".join(cells) + " |")
+
+
+# -- scale: a round's cost and the restore's agreement as the world grows --------------------------
+
+
+def scale_job(root: str, mib: float, rounds: int) -> dict:
+    from ddpkit.snapshot import _replicas as rl
+    from ddpkit.snapshot import _slots as sl
+    from ddpkit.snapshot._memory import choose
+
+    rt = ddpkit.init()
+    import torch.distributed as dist
+
+    placement, _ = rl.place(list(range(rt.world_size)), 2)
+    assert placement is not None
+    folder = Path(root, str(rt.rank))
+    folder.mkdir()
+    files = rl.ReplicaFiles(folder, job="id:x", run="run", world_size=rt.world_size,
+                            sources=placement.sources(rt.rank))  # fmt: skip
+    courier = rl.Courier(placement, rt.rank, rt.world_size, dist.new_group(backend="gloo"), files)
+    n = int(mib * 2**20 / 4)
+    cpu, offers = [], []
+    for step in range(1, rounds + 1):
+        values = {"job": "id:y", "run": "run", "rank": rt.rank, "world_size": rt.world_size,
+                  "step": step, "position": [0, step, step]}  # fmt: skip
+        payload = torch.frombuffer(bytearray(sl.pack(values, [torch.full((n,), float(step))])),
+                                   dtype=torch.uint8)  # fmt: skip
+        ddpkit.barrier()
+        c0 = time.process_time()
+        courier.submit(step, payload)
+        result = courier.settle()
+        cpu.append(time.process_time() - c0)
+        assert result is not None and result.error is None and not result.damaged, result
+        # the restore's agreement: every rank's offer, gathered; the plan, chosen on every rank
+        c0 = time.process_time()
+        held = files.found()
+        offer = {"own": [[0, step, step]] if rt.rank else [],
+                 "replicas": {str(p): [list(x) for x in ps] for p, ps in held.items()}}  # fmt: skip
+        choice = choose(ddpkit.all_gather_object(offer))
+        offers.append(time.process_time() - c0)
+        assert choice is not None and choice.sources == ((0, placement.partners[0][0]),)
+    courier.close()
+    return {"round": statistics.median(cpu[1:]), "restore": statistics.median(offers[1:])}
+
+
+def part_scale(a: argparse.Namespace) -> None:
+    scale = _sibling("scale")
+    sizes = [int(s) for s in a.sizes.split(",")]
+    rows: dict[str, list[tuple[int, float]]] = {"round": [], "restore": []}
+    medians: dict[str, list[float]] = {"round": [], "restore": []}
+    for w in sizes:
+        tmp = tempfile.mkdtemp(prefix="replicas-scale-", dir="/dev/shm")
+        try:
+            out = ddpkit.spawn(functools.partial(scale_job, tmp, a.mib, a.scale_rounds), w)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        for key in rows:
+            rows[key].append((w, max(o[key] for o in out)))
+            medians[key].append(statistics.median(o[key] for o in out))
+    print(f"\n## scale: a copy of {a.mib:g} MiB to the next rank, {a.scale_rounds} rounds; the "
+          "largest rank's CPU (ms) in a median round, the median rank's in brackets\n")  # fmt: skip
+    print("| cost | " + " | ".join(f"{w} ranks" for w in sizes) + " | b (95%) | 1,024 ranks |")
+    print("|---|" + "---|" * (len(sizes) + 2))
+    labels = {"round": "a transfer round (send, receive, check, commit)",
+              "restore": "the restore's agreement (offers gathered, plan chosen)"}  # fmt: skip
+    for key, points in rows.items():
+        fitted = scale.fit(points)
+        cells = " | ".join(
+            f"{1e3 * y:.2f} ({1e3 * m:.2f})" for (_, y), m in zip(points, medians[key])
+        )
+        if fitted is None:
+            print(f"| {labels[key]} | {cells} | - | - |")
+            continue
+        coef, b, half = fitted
+        print(f"| {labels[key]} | {cells} | {b:.2f} ± {half:.2f} | {1e3 * coef * 1024**b:.1f} ms |")
+    took = statistics.median(_plan_at(1024, 8) for _ in range(5))
+    print(f"\nThe plan alone (choose(), every rank computes it) at 1,024 ranks, nodes of 8, the "
+          f"last node lost: {1e3 * took:.1f} ms (measured, one process)")  # fmt: skip
+
+
+# -- device: the copy from a GPU, pinned and on a side stream, against a plain one -----------------
+
+
+def part_device(a: argparse.Namespace) -> None:
+    """On one GPU: a state of ``--device-mib`` MiB copied into a slot the plain way (``Slots.save``:
+    the host waits for the copies into pageable pages) and from the device (``save_from_device``:
+    pinned pages, a side stream; the host returns at once, the commit waits in a thread); the host's
+    stall, the time to whole, and the device's time the next step waits, medians of 5 after one."""
+    if not torch.cuda.is_available():
+        print("\n## device: skipped, no CUDA device")
+        return
+    from ddpkit.snapshot import _codec as codec
+    from ddpkit.snapshot import _slots as sl
+
+    folder = Path(tempfile.mkdtemp(prefix="replicas-device-", dir="/dev/shm"))
+    print(f"\n## device: {torch.cuda.get_device_name()}, the copy of a state into a slot\n")
+    print(
+        "| state | plain: stall (= whole) | from the device: stall | to whole | the device waits |"
+    )
+    print("|---|---|---|---|---|")
+    try:
+        for mib in [int(m) for m in a.device_mib.split(",")]:
+            tensors = [torch.randn(mib * 2**18 // 8, device="cuda") for _ in range(8)]
+            specs, size = codec.layout(tensors)
+            manifest = {"specs": [[x.dtype, list(x.shape), x.offset] for x in specs],
+                        "data_size": size}  # fmt: skip
+            st = sl.Slots(folder, job="id:d", run=f"run{mib}", rank=0, world_size=1)
+            side, plain, stall, whole, waits = torch.cuda.Stream(), [], [], [], []
+            for i in range(6):
+                values = {"step": i, "position": [0, i, i]}
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                st.save(values, tensors, manifest, "x")
+                plain.append(time.perf_counter() - t0)
+                torch.cuda.synchronize()
+                before = torch.cuda.Event(enable_timing=True)
+                after = torch.cuda.Event(enable_timing=True)
+                before.record()  # the step's end, on the current stream
+                t0 = time.perf_counter()
+                commit = st.save_from_device(values, tensors, manifest, "x", side)
+                stall.append(time.perf_counter() - t0)
+                after.record()  # the next step's first work waits for the copies
+                commit()
+                whole.append(time.perf_counter() - t0)
+                torch.cuda.synchronize()
+                waits.append(before.elapsed_time(after) / 1e3)
+            st.close()
+            med = lambda xs: 1e3 * statistics.median(xs[1:])  # noqa: E731
+            print(f"| {mib} MiB | {med(plain):.1f} ms | {med(stall):.2f} ms | "
+                  f"{med(whole):.1f} ms | {med(waits):.1f} ms |")  # fmt: skip
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _plan_at(world: int, per_node: int) -> float:
+    """Seconds :func:`~ddpkit.snapshot._memory.choose` takes to plan a restore of ``world`` ranks
+    (nodes of ``per_node``, two copies each, the last node lost), measured here in one process."""
+    from ddpkit.snapshot import _replicas as rl
+    from ddpkit.snapshot._memory import choose
+
+    placement, _ = rl.place([r // per_node for r in range(world)], 2)
+    assert placement is not None
+    lost = set(range(world - per_node, world))
+    positions = [[0, 9, 9], [0, 10, 10]]
+    offers = [
+        {
+            "own": [] if r in lost else positions,
+            "replicas": {} if r in lost else {str(p): positions for p in placement.sources(r)},
+        }
+        for r in range(world)
+    ]
+    t0 = time.perf_counter()
+    choice = choose(offers)
+    took = time.perf_counter() - t0
+    assert choice is not None and len(choice.sources) == per_node
+    return took
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--job":
+        recovery_job(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        return
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    p.add_argument("--part", choices=("steps", "recovery", "scale", "device", "all"),
+                   default="all")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--cases", default="cnn:fsdp,transformer:fsdp,cnn:ddp,transformer:ddp",
+                   help="model:strategy pairs of the steps part")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--sizes", default="2,4,8,16")
+    p.add_argument("--mib", type=float, default=4.0)
+    p.add_argument("--scale-rounds", type=int, default=6)
+    p.add_argument("--device-mib", default="64,512,2048", help="the device part's state sizes")
+    p.add_argument("--keep", action="store_true", help="keep the recovery's folder (its logs)")
+    a = p.parse_args()
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    print(f"# copies on other nodes: {platform.node()}, {os.cpu_count()} cores, torch "
+          f"{torch.__version__}, gloo, 1 thread a rank; {now}")  # fmt: skip
+    parts = (("steps", part_steps), ("recovery", part_recovery), ("scale", part_scale),
+             ("device", part_device))  # fmt: skip
+    for part, run in parts:
+        if a.part in (part, "all"):
+            run(a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+"""Copies of each rank's state in the memory of ranks on other nodes, with real processes and gloo:
+the transfer beside training (whole or absent, a rank that stops stops every rank without a hang),
+and the Trainer under ``ddp``, ``zero`` and ``fsdp`` resuming a lost node's ranks from the copies on
+the other node, bitwise (each rank its own node here: its own job folder, local rank 0). The same
+across network-namespace nodes under ``ddpkit run --recover in-place``: :mod:`tests.jobs.snapshot.
+test_replicas_nodes`."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import ddpkit
+from ddpkit.distributed._channels import JOB_DIR_ENV, MEMORY
+from ddpkit.snapshot import _replicas as rl
+from ddpkit.snapshot import _slots as sl
+from tests.trainer_checks import rank_differences
+
+# -- the transfer ----------------------------------------------------------------------------------
+
+
+def _slot(rank: int, step: int) -> torch.Tensor:
+    values = {"job": "id:node", "run": "run", "rank": rank, "world_size": 3, "step": step,
+              "position": [0, step, step]}  # fmt: skip
+    data = sl.pack(values, [torch.full((70_000,), 10.0 * rank + step)])
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _courier_job(root: str, rounds: list[list[bool]], timeout: float) -> list[dict]:
+    """Rank r (its own node, its folder ``root/r``) submits a round per entry of ``rounds`` (its
+    copy of that step, or None where ``rounds[i][r]`` is False), settling each before the next;
+    what each round said, and the copies it then holds."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    rt = ddpkit.init()
+    placement, _ = rl.place(list(range(rt.world_size)), 2)
+    assert placement is not None
+    folder = Path(root, str(rt.rank))
+    folder.mkdir()
+    files = rl.ReplicaFiles(folder, job="id:mine", run="run", world_size=rt.world_size,
+                            sources=placement.sources(rt.rank))  # fmt: skip
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+    courier = rl.Courier(placement, rt.rank, rt.world_size, group, files)
+    seen = []
+    for step, sends in enumerate(rounds, 1):
+        courier.submit(step, _slot(rt.rank, step) if sends[rt.rank] else None)
+        result = courier.settle()
+        assert result is not None
+        error = f"{type(result.error).__name__}" if result.error else None
+        held = {p: sorted(s[1] for s in ps) for p, ps in files.found().items()}
+        seen.append(
+            {"stopped": result.stopped, "damaged": result.damaged, "error": error, "held": held}
+        )
+        if result.stopped or result.error:
+            break
+    for p in placement.sources(rt.rank):
+        for position in files.found().get(p, []):
+            got = sl.parse_slot(files.bytes_at(p, position))
+            assert got is not None
+            tensor = sl.tensors_of(got[3], got[0], got[1])[0]
+            assert torch.equal(tensor, torch.full((70_000,), 10.0 * p + position[1]))
+    courier.close()
+    return seen
+
+
+def test_each_ranks_copy_reaches_the_next_node_whole_and_a_rank_that_stops_stops_every_rank(
+    tmp_path,
+):
+    # three nodes of one rank: rank r's copies go to rank r+1; four rounds, rank 1 stops at the 4th
+    rounds = [[True] * 3] * 3 + [[True, False, True]] + [[True] * 3]
+    seen = ddpkit.spawn(functools.partial(_courier_job, str(tmp_path), rounds, 60.0), 3)
+    for rank, mine in enumerate(seen):
+        source = (rank - 1) % 3
+        assert [s["held"] for s in mine[:3]] == [
+            {source: [1]}, {source: [1, 2]}, {source: [2, 3]}
+        ], mine  # fmt: skip
+        assert all(s["stopped"] == [] and not s["damaged"] and not s["error"] for s in mine[:3])
+        # the 4th round: every rank hears that rank 1 stopped, and none sends (step 3 stays)
+        assert mine[3]["stopped"] == [1] and mine[3]["held"] == {source: [2, 3]}
+        assert len(mine) == 4  # nobody waits for a 5th round
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_that_stops_without_saying_so_leaves_the_others_waiting_until_the_timeout(tmp_path):
+    # Control of the word in each round: rank 1 submits no round at all after the first.
+    def job(root: str) -> list:
+        if int(os.environ["RANK"]) == 1:
+            rounds = [[True] * 2]
+        else:
+            rounds = [[True] * 2] * 2
+        return _courier_job(root, rounds, 5.0)
+
+    start = time.monotonic()
+    seen = ddpkit.spawn(functools.partial(job, str(tmp_path)), 2)
+    assert seen[0][1]["error"] is not None and seen[1][0]["error"] is None
+    assert time.monotonic() - start >= 5
+
+
+# -- the Trainer: a lost node's ranks resume from the copies on the other node ---------------------
+
+STEPS, KILL = 14, 8
+SLOW = pytest.mark.slow
+
+
+def _trainer_job(
+    roots: list[str], run_dir: str, strategy: str, replicas: int, stop: bool, steps: int = STEPS
+) -> dict:
+    """The resume tests' job (tests/jobs/scripts/train_job.py) with a copy in memory every step,
+    rank r on a node of its own (its job folder ``roots[r]``); ``stop``: rank 1 raises in the step
+    after step ``KILL`` (whose state is whole on both ranks, its copies maybe in flight)."""
+    import tests.jobs.scripts.train_job as train_job
+    from ddpkit.training._config import SnapshotConfig
+
+    rank = int(os.environ["RANK"])
+    os.environ.update({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", JOB_DIR_ENV: roots[rank]})
+    train_job.SnapshotConfig = functools.partial(SnapshotConfig, replicas=replicas)  # type: ignore[misc]
+    held: list = []
+    final = train_job.train(
+        run_dir, max_steps=steps, snapshot_every_steps=None, snapshot_every_epochs=0, memory=True,
+        memory_every_steps=1, strategy=strategy, sync_batchnorm=False, out=f"{run_dir}.pt",
+        event=("raise", 1, KILL) if stop else None, trainer_hook=held.append,
+    )  # fmt: skip
+    memory = held[0].memory
+    final["copies"] = memory.replicas if memory is not None else 0
+    final["copying"] = memory is not None and memory.enabled
+    return final
+
+
+def _roots(tmp: Path, name: str) -> list[str]:
+    roots = [tmp / name / f"node{r}" for r in range(2)]
+    for root in roots:
+        (root / MEMORY).mkdir(parents=True)
+    return [str(r) for r in roots]
+
+
+def _lose_node(root: str) -> None:
+    """Node b is gone with its memory: its new node starts with an empty job folder."""
+    shutil.rmtree(root)
+    (Path(root) / MEMORY).mkdir(parents=True)
+
+
+def _records(run_dir: Path, event: str) -> list[dict]:
+    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return [r for r in records if r.get("event") == event]
+
+
+def _resumes(run_dir: Path) -> list[dict]:
+    return _records(run_dir, "resume")
+
+
+def _same(final: dict, reference: dict, strategy: str) -> bool:
+    part = "full" if strategy != "ddp" else None
+    a, b = (final[part], reference[part]) if part else (final, reference)
+    return (
+        all(
+            torch.equal(a[k][n], b[k][n]) if torch.is_tensor(a[k][n]) else a[k][n] == b[k][n]
+            for k in ("model",) + (("optim",) if part else ())
+            for n in a[k]
+        )
+        and a["model"].keys() == b["model"].keys()
+    )
+
+
+def _train(tmp: Path, name: str, roots: list[str], strategy: str, replicas: int, stop: bool):
+    job = functools.partial(_trainer_job, roots, str(tmp / name), strategy, replicas, stop)
+    if stop:
+        with pytest.raises(Exception, match="planned failure"):
+            ddpkit.spawn(job, 2)
+        return None
+    return ddpkit.spawn(job, 2)[0]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "strategy", ["fsdp", pytest.param("zero", marks=SLOW), pytest.param("ddp", marks=SLOW)]
+)
+def test_a_lost_nodes_ranks_resume_from_the_copies_on_the_other_node_bitwise(tmp_path, strategy):
+    reference = _train(tmp_path, "reference", _roots(tmp_path, "reference"), strategy, 2, False)
+    assert reference["copies"] == 2 and reference["step"] == STEPS
+    # the transfers' cost in the records: the bytes a rank sends a copy, the time it takes
+    (interval,) = _records(tmp_path / "reference", "memory_snapshots")
+    assert interval["replicas"] == 2 and interval["every_steps"] == 1
+    assert interval["copy_bytes"] > 0 and interval["transfer_ms"] > 0, interval
+    roots = _roots(tmp_path, "lost")
+    _train(tmp_path, "lost", roots, strategy, 2, True)
+    _lose_node(roots[1])
+    final = _train(tmp_path, "lost", roots, strategy, 2, False)
+    (event,) = _resumes(tmp_path / "lost")
+    print(f"\n{strategy}: rank 1's node lost after step {KILL}: {event['file']} at {event['step']}")
+    # the state of step KILL was whole on both ranks; its copy's transfer may not have been
+    assert event["file"] == "memory (ranks [1] from rank 0)" and event["step"] in (KILL - 1, KILL)
+    assert _same(final, reference, strategy)
+    differs = rank_differences(tmp_path / "lost.pt", tmp_path / "reference.pt")
+    assert differs == {0: [], 1: []}, differs  # each rank's own state: streams, buffers
+    # Control: without copies on other nodes, the same loss goes back to disk (none: the start).
+    roots = _roots(tmp_path, "none")
+    _train(tmp_path, "none", roots, strategy, 1, True)
+    _lose_node(roots[1])
+    control = _train(tmp_path, "none", roots, strategy, 1, False)
+    assert control["copies"] == 1 and _resumes(tmp_path / "none") == []
+    assert control["resumed_from"] is None and _same(control, reference, strategy)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_damaged_copy_is_named_and_every_rank_passes_over_it(tmp_path, capfd):
+    reference = _train(tmp_path, "reference", _roots(tmp_path, "reference"), "fsdp", 2, False)
+    roots = _roots(tmp_path, "damaged")
+    _train(tmp_path, "damaged", roots, "fsdp", 2, True)
+    _lose_node(roots[1])
+    copies = {}
+    for path in Path(roots[0], MEMORY).glob("*-replica1-*.slot"):
+        got = sl.read_slot(path)
+        if got is not None:
+            copies[got[2]["step"]] = (path, got[0])
+    newest = max(copies)
+    path, record = copies[newest]
+    raw = bytearray(path.read_bytes())
+    raw[record.data[0] + 100] ^= 0x10
+    path.write_bytes(raw)
+    final = _train(tmp_path, "damaged", roots, "fsdp", 2, False)
+    (event,) = _resumes(tmp_path / "damaged")
+    out = capfd.readouterr()
+    assert "skipping the snapshot in memory at step" in out.out + out.err
+    assert "fail their checksum" in out.out + out.err
+    # the copy before it, one step older, on every rank
+    assert event["step"] == newest - 1 and event["file"].startswith("memory (ranks [1]")
+    assert _same(final, reference, "fsdp")
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_whose_memory_is_full_stops_every_ranks_copies_without_a_hang(tmp_path, capfd):
+    from tests.tmpfs import small_tmpfs
+
+    roomy = tmp_path / "roomy" / "node0"
+    (roomy / MEMORY).mkdir(parents=True)
+    with small_tmpfs(tmp_path / "tiny", "64k"):
+        (tmp_path / "tiny" / MEMORY).mkdir()
+        roots = [str(roomy), str(tmp_path / "tiny")]
+        job = functools.partial(_trainer_job, roots, str(tmp_path / "run"), "fsdp", 2, False, 6)
+        finals = ddpkit.spawn(job, 2)
+    # rank 1 had no room for its slot; it said so in the next transfer, and both went on without
+    # copies in memory
+    assert [(f["step"], f["copying"]) for f in finals] == [(6, False), (6, False)]
+    out = capfd.readouterr()
+    assert "snapshots in memory stop on rank 1 (no room for" in out.err
+    assert "snapshots in memory stop on every rank: rank(s) [1]" in out.err

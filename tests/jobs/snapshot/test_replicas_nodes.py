@@ -1,0 +1,267 @@
+"""A lost node healed in place from the copies of its ranks' state on other nodes, under
+``ddpkit run --recover in-place`` across network-namespace nodes (tests/jobs/launch/netns.py):
+``fsdp`` and ``zero`` with a node lost after a step, a node lost in the middle of a copy's
+transfer, two losses in a row, two of three nodes lost at once. Each ends bitwise where an
+uninterrupted run ends, the surviving rank in its own process; each control (copies off, or fewer
+than the loss needs) goes back to the disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddpkit._launch.agent import jobdir
+from ddpkit.testing import run_job, wait_until
+from tests.jobs.launch import netns
+from tests.trainer_checks import rank_differences
+
+JOB = str(Path(__file__).parents[1] / "scripts" / "replica_job.py")
+IN_PLACE = ("--recover", "in-place")
+
+
+def _env(tmp: Path) -> dict[str, str]:
+    return netns.clean_env(1) | {
+        "DDPKIT_RDZV_SECRET": netns.SECRET,
+        jobdir.ROOT_ENV: str(tmp / "shm"),
+    }
+
+
+def _records(run_dir: Path, event: str) -> list[dict]:
+    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return [r for r in records if r.get("event") == event]
+
+
+def _steps_done(log: Path, rank: int) -> int:
+    path = log / f"steps-rank{rank}.txt"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _pids(log: Path) -> dict[int, dict[int, int]]:
+    """Global rank -> attempt -> the pid that ran it."""
+    out: dict[int, dict[int, int]] = {}
+    for path in log.glob("pid-rank*-attempt*"):
+        rank, attempt = path.name[len("pid-rank") :].split("-attempt")
+        out.setdefault(int(rank), {})[int(attempt)] = int(path.read_text())
+    return out
+
+
+def _same(final: dict, reference: dict) -> bool:
+    """The gathered model and optimizer states (``full``) identical to the bit."""
+    for part in ("model", "optim"):
+        x, y = final["full"][part], reference["full"][part]
+        if x.keys() != y.keys():
+            return False
+        for k in x:
+            if not (torch.equal(x[k], y[k]) if torch.is_tensor(x[k]) else x[k] == y[k]):
+                return False
+    return True
+
+
+class Job:
+    """One job of ``nnodes`` nodes of one rank (``nodes[i]`` the namespace of node i, the first
+    serving the rendezvous), started on each; a node taken away and a new one started in its
+    place."""
+
+    def __init__(self, tmp: Path, name: str, addr: str, port: int, nodes: list[str], *args: str):
+        self.tmp, self.name, self.nodes = tmp, name, nodes
+        self.log, self.hold = tmp / f"{name}-log", tmp / f"{name}-go"
+        self.log.mkdir()
+        self.cmd = [
+            sys.executable, "-m", "ddpkit.cli", "run", "--nnodes", str(len(nodes)), "--nproc",
+            "1", "--max-restarts", "3", *IN_PLACE, "--rdzv-endpoint", f"{addr}:{port}", JOB,
+            str(tmp / name), "--log", str(self.log), "--out", str(tmp / f"{name}.pt"), *args,
+        ]  # fmt: skip
+        self.procs = [self._on(ns, f"{i}") for i, ns in enumerate(nodes)]
+        self.started = len(nodes)
+
+    def _on(self, ns: str, label: str) -> subprocess.Popen:
+        return netns.on(ns, self.cmd, self.tmp, f"{self.name}-{label}.log", _env(self.tmp))
+
+    def wait(self, done: object, what: str) -> None:
+        def check() -> bool:
+            for i, p in enumerate(self.procs):
+                assert p.poll() is None, self.output(i)[-3000:]
+            return bool(done() if callable(done) else done)
+
+        wait_until(check, 300, what=what)
+
+    def replace(self, *which: int) -> None:
+        """Take nodes ``which`` away (agent and workers SIGKILLed), start a new node in each
+        place."""
+        for i in which:
+            os.killpg(self.procs[i].pid, signal.SIGKILL)
+            self.procs[i].wait()
+        for i in which:
+            self.procs[i] = self._on(self.nodes[i], f"{self.started}")
+            self.started += 1
+
+    def output(self, i: int) -> str:
+        logs = sorted(self.tmp.glob(f"{self.name}-*.log"), key=os.path.getmtime)
+        return "\n".join(p.read_text() for p in logs)
+
+    def finish(self) -> dict:
+        codes = netns.finish(self.procs, timeout=600)
+        assert codes == [0] * len(self.procs), self.output(0)[-5000:]
+        return torch.load(self.tmp / f"{self.name}.pt", weights_only=False)
+
+
+def _reference(tmp: Path, nproc: int, *args: str) -> dict:
+    """The uninterrupted run on one node, at the same thread count (nodes of one rank train the
+    same weights as one node of them all: tests/jobs/launch/test_multinode.py)."""
+    (tmp / "reference-log").mkdir()
+    job = [str(tmp / "reference"), "--log", str(tmp / "reference-log"), "--out",
+           str(tmp / "reference.pt"), *args]  # fmt: skip
+    proc = run_job(JOB, *job, nproc=nproc, env=_env(tmp), cwd=tmp, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(tmp / "reference.pt", weights_only=False)
+
+
+def _lose_node_after_step(job: Job, step: int, *which: int) -> None:
+    """Every rank holds after ``step``; nodes ``which`` are taken away and new ones started."""
+    ranks = range(len(job.nodes))
+    job.wait(lambda: all(_steps_done(job.log, r) >= step for r in ranks), f"step {step}")
+    job.replace(*which)
+    job.hold.touch()
+
+
+@pytest.fixture
+def nodes(tmp_path):
+    with netns.two_nodes(f"rp{os.getpid() % 100000}") as made:
+        (tmp_path / "shm").mkdir()
+        yield made
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("strategy", ["fsdp", "zero"])
+def test_a_node_lost_after_a_step_is_healed_in_place_from_its_copies_bitwise(
+    tmp_path, nodes, strategy
+):
+    (ns_a, addr), (ns_b, _) = nodes
+    job_args = ("--strategy", strategy, "--no-sync-bn")
+    reference = _reference(tmp_path, 2, *job_args)
+    hold = ("--hold-after-step", "15", "--hold-file")
+    job = Job(tmp_path, "lost", addr, 29451, [ns_a, ns_b], *job_args, *hold,
+              str(tmp_path / "lost-go"))  # fmt: skip
+    _lose_node_after_step(job, 15, 1)
+    final = job.finish()
+    (event,) = _records(tmp_path / "lost", "recover")
+    print(f"\n{strategy}: node b lost after step 15, healed in place: {event}")
+    # both ranks held after step 15, before its copy: step 14, rank 1's from rank 0's memory
+    assert event["replaced"] == [1] and event["step"] == 14
+    assert event["source"] == "memory (ranks [1] from rank 0)"
+    ran = _pids(job.log)
+    assert ran[0][0] == ran[0][1] and ran[1][0] != ran[1][1], ran
+    assert _same(final, reference) and final["resumed_from"] == 14
+    assert rank_differences(tmp_path / "lost.pt", tmp_path / "reference.pt") == {0: [], 1: []}
+    # Control: without copies on another node, the same loss goes back to the disk (none: the
+    # start).
+    job = Job(tmp_path, "off", addr, 29452, [ns_a, ns_b], *job_args, "--replicas", "1", *hold,
+              str(tmp_path / "off-go"))  # fmt: skip
+    _lose_node_after_step(job, 15, 1)
+    final = job.finish()
+    (event,) = _records(tmp_path / "off", "recover")
+    assert event["source"] == "none" and final["resumed_from"] is None
+    assert _same(final, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_a_node_lost_during_a_copys_transfer_resumes_from_the_copy_before(tmp_path, nodes):
+    (ns_a, addr), (ns_b, _) = nodes
+    job_args = ("--strategy", "fsdp", "--no-sync-bn")
+    reference = _reference(tmp_path, 2, *job_args)
+    # rank 1 sends the first 4 KiB of its copy of step 12, and its node is taken away
+    job = Job(tmp_path, "cut", addr, 29453, [ns_a, ns_b], *job_args, "--kill-in-transfer", "1",
+              "12")  # fmt: skip
+    job.wait(lambda: (job.log / "in-transfer-rank1").exists(), "rank 1 in its transfer")
+    job.replace(1)
+    final = job.finish()
+    (event,) = _records(tmp_path / "cut", "recover")
+    print(f"\nnode b lost in the transfer of its copy of step 12: {event}")
+    # the copy of step 12 on rank 0 was begun, never whole: every rank resumes from step 11
+    assert event["step"] == 11 and event["source"] == "memory (ranks [1] from rank 0)"
+    lines = (job.log / "steps-rank0.txt").read_text().splitlines()
+    done = max(int(step) for attempt, step in map(str.split, lines) if attempt == "0")
+    assert done - event["step"] <= 1  # at most one step lost
+    assert _same(final, reference)
+    # Control: with copies off, the same loss (after step 12) goes back to the disk.
+    job = Job(tmp_path, "off", addr, 29454, [ns_a, ns_b], *job_args, "--replicas", "1",
+              "--hold-after-step", "12", "--hold-file", str(tmp_path / "off-go"))  # fmt: skip
+    _lose_node_after_step(job, 12, 1)
+    final = job.finish()
+    (event,) = _records(tmp_path / "off", "recover")
+    assert event["source"] == "none" and _same(final, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_two_node_losses_in_a_row_are_each_healed_in_place(tmp_path, nodes):
+    (ns_a, addr), (ns_b, _) = nodes
+    job_args = ("--strategy", "zero", "--no-sync-bn")
+    reference = _reference(tmp_path, 2, *job_args)
+
+    def twice(name: str, port: int, *extra: str) -> tuple[dict, Job]:
+        again = tmp_path / f"{name}-again"
+        job = Job(tmp_path, name, addr, port, [ns_a, ns_b], *job_args, *extra,
+                  "--hold-after-step", "15", "--hold-file", str(tmp_path / f"{name}-go"),
+                  "--hold-at", "1", "20", str(again))  # fmt: skip
+        _lose_node_after_step(job, 15, 1)
+        holding = [job.log / f"holding-1-rank{r}" for r in (0, 1)]
+        job.wait(lambda: all(p.exists() for p in holding), "both ranks after step 20, again")
+        job.replace(1)
+        again.touch()
+        return job.finish(), job
+
+    final, job = twice("twice", 29455)
+    events = _records(tmp_path / "twice", "recover")
+    print(f"\nnode b lost after step 15, its new node after step 20: {events}")
+    assert [(e["step"], e["source"]) for e in events] == [
+        (14, "memory (ranks [1] from rank 0)"), (19, "memory (ranks [1] from rank 0)")
+    ]  # fmt: skip
+    ran = _pids(job.log)
+    assert len(set(ran[0].values())) == 1 and len(set(ran[1].values())) == 3, ran
+    assert _same(final, reference)
+    # Control: with copies off, each loss goes back to the disk (none: the start).
+    final, _ = twice("off", 29456, "--replicas", "1")
+    assert [e["source"] for e in _records(tmp_path / "off", "recover")] == ["none", "none"]
+    assert _same(final, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_two_of_three_nodes_lost_at_once_are_healed_from_three_copies(tmp_path, nodes):
+    """Three nodes of one rank, the third a second agent in node a's namespace; nodes b and c lost
+    together after step 15. With three copies the survivor holds both lost ranks' state; with two
+    (the control) one lost rank's copies were both on the lost nodes: the disk, named."""
+    (ns_a, addr), (ns_b, _) = nodes
+    job_args = ("--strategy", "fsdp", "--no-sync-bn", "--global-batch", "24")
+    reference = _reference(tmp_path, 3, *job_args)
+    hold = ("--hold-after-step", "15", "--hold-file")
+
+    def lose_two(name: str, port: int, copies: str) -> tuple[dict, Job]:
+        job = Job(tmp_path, name, addr, port, [ns_a, ns_b, ns_a], *job_args, "--replicas",
+                  copies, *hold, str(tmp_path / f"{name}-go"))  # fmt: skip
+        _lose_node_after_step(job, 15, 1, 2)
+        return job.finish(), job
+
+    final, job = lose_two("three", 29457, "3")
+    (event,) = _records(tmp_path / "three", "recover")
+    print(f"\nnodes b and c lost after step 15, three copies: {event}")
+    survivor = next(r for r, by in _pids(job.log).items() if len(set(by.values())) == 1)
+    lost = sorted({0, 1, 2} - {survivor})
+    assert event["replaced"] == lost and event["step"] == 14
+    assert event["source"] == f"memory (ranks {lost} from rank {survivor})"
+    assert _same(final, reference)
+    # Control: two copies cover one lost node, not two.
+    final, job = lose_two("two", 29458, "2")
+    (event,) = _records(tmp_path / "two", "recover")
+    assert event["source"] == "none" and _same(final, reference)
+    assert "more nodes lost at once than replicas=2 covers" in job.output(0)
