@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from ddpkit._launch.agent import jobdir
+from ddpkit.distributed._channels import MEMORY
 from ddpkit.snapshot import _codec as region
 from ddpkit.snapshot import _slots as ms
 from ddpkit.snapshot import _slots as mslot
@@ -212,7 +213,8 @@ def test_the_job_folder_goes_when_the_job_ends_normally_on_failure_and_on_sigter
     proc = start(tmp_path, "stopped", "--epochs", "30", env=memory_env, stderr=subprocess.STDOUT)
     wait_until(lambda: steps_done(tmp_path / "stopped-log") >= 3, what="3 steps of the job")
     folders = job_folders(tmp_path)
-    slots = sorted(p.name.split("-", 1)[1] for p in folders[0].glob("*.slot")) if folders else []
+    found = (folders[0] / MEMORY).glob("*.slot") if folders else []
+    slots = sorted(p.name.split("-", 1)[1] for p in found)
     proc.send_signal(signal.SIGTERM)
     stopped = wait_job(proc, 120)
     assert stopped.returncode == 75, stopped.stdout[-2000:]
@@ -248,7 +250,8 @@ def test_a_sigkilled_launchers_folder_is_never_loaded_and_the_next_job_sweeps_it
     (stale,) = job_folders(tmp_path)
     # Control: the stale slots are whole and belong to this very run directory: only the job key (a
     # new job, a new folder) keeps the next job from resuming from them.
-    whole = [w for w in (mslot.read_slot(p) for p in stale.glob("*.slot")) if w is not None]
+    read = (mslot.read_slot(p) for p in (stale / MEMORY).glob("*.slot"))
+    whole = [w for w in read if w is not None]
     assert len(whole) >= 2 and {w[2]["run"] for w in whole} == {ms.run_key(tmp_path / "run")}
     # the same run directory, resumed
     _, job = run(tmp_path, "run", "--epochs", "3", env=memory_env)

@@ -27,10 +27,7 @@ IN_PLACE = ("--recover", "in-place")
 
 
 def _env(tmp: Path) -> dict[str, str]:
-    return netns.clean_env(1) | {
-        "DDPKIT_RDZV_SECRET": netns.SECRET,
-        jobdir.ROOT_ENV: str(tmp / "shm"),
-    }
+    return netns.node_env(1) | {jobdir.ROOT_ENV: str(tmp / "shm")}
 
 
 def _records(run_dir: Path, event: str) -> list[dict]:
@@ -50,6 +47,16 @@ def _pids(log: Path) -> dict[int, dict[int, int]]:
         rank, attempt = path.name[len("pid-rank") :].split("-attempt")
         out.setdefault(int(rank), {})[int(attempt)] = int(path.read_text())
     return out
+
+
+def _listening(ns: str, port: int) -> bool:
+    """Whether a process of namespace ``ns`` listens on TCP ``port``."""
+    out = subprocess.run(
+        ["ip", "netns", "exec", ns, "ss", "-ltnH", f"sport = :{port}"],
+        capture_output=True,
+        text=True,
+    )
+    return bool(out.stdout.strip())
 
 
 def _same(final: dict, reference: dict) -> bool:
@@ -78,7 +85,11 @@ class Job:
             "1", "--max-restarts", "3", *IN_PLACE, "--rdzv-endpoint", f"{addr}:{port}", JOB,
             str(tmp / name), "--log", str(self.log), "--out", str(tmp / f"{name}.pt"), *args,
         ]  # fmt: skip
-        self.procs = [self._on(ns, f"{i}") for i, ns in enumerate(nodes)]
+        # node 0 first, and the others once it serves the rendezvous: a node started in the same
+        # namespace could serve it instead, and then be one of the nodes taken away
+        self.procs = [self._on(nodes[0], "0")]
+        self.wait(lambda: _listening(nodes[0], port), f"node 0 serving the rendezvous at {port}")
+        self.procs += [self._on(ns, f"{i}") for i, ns in enumerate(nodes) if i > 0]
         self.started = len(nodes)
 
     def _on(self, ns: str, label: str) -> subprocess.Popen:

@@ -92,7 +92,7 @@ def join(
     within ``wait`` seconds of a recovery under way): torch's rendezvous follows."""
     reader = _Reader(BoundedStore(store))
     try:
-        found = _vacancy(reader, store, wait, join_timeout)
+        found = _vacancy(reader, store, wait, join_timeout, node_timeout)
         if found is None:
             return None
         generation, vacant = found
@@ -135,19 +135,27 @@ class _Reader:
 
 
 def _vacancy(
-    reader: _Reader, store: Any, wait: float, join_timeout: float
+    reader: _Reader, store: Any, wait: float, join_timeout: float, node_timeout: float
 ) -> tuple[int, dict[str, Any]] | None:
     """The recovery under way and the places it offers, once offered; None where there is no
-    recovery under way (a job running on all its nodes is waited on up to ``join_timeout``, for
-    a place to open)."""
+    recovery under way. A job running on all its nodes is waited on up to ``join_timeout``, for a
+    place to open; one whose node does not answer, up to ``node_timeout`` more than ``wait``, for
+    the others to judge it lost."""
     job = reader.get_json("job")
-    full = job is not None and _all_alive(store, job)
-    if full:  # a place opens when a node is lost: taken here, the job goes on without a restart
+    alive = job is not None and _all_alive(store, job)
+    # a node of the job that does not answer: its loss is being judged (a node started right after
+    # a cut comes before the verdict), and its place opens then
+    judged = job is not None and not alive
+    if alive:  # a place opens when a node is lost: taken here, the job goes on without a restart
         say(
             f"the job runs on all its {job['size']} node(s): waiting for one's place "
             f"(--join-timeout, {join_timeout:g} s)"
         )
-    deadline = time.monotonic() + (join_timeout if full else wait)
+    elif judged:
+        say(f"a node of the job does not answer: waiting {wait + node_timeout:g} s for its place")
+    deadline = time.monotonic() + (
+        join_timeout if alive else wait + (node_timeout if judged else 0)
+    )
     next_look = 0.0
     while True:
         generation = reader.incident()
@@ -155,7 +163,7 @@ def _vacancy(
             vacant = reader.get_json("vacant")
             if vacant is not None and vacant["recovery"] == generation:
                 return generation, vacant
-        elif not full:
+        elif not alive and not judged:
             return None  # no recovery under way
         elif time.monotonic() >= next_look:  # once a second: each look is a node's key
             next_look = time.monotonic() + 1.0
