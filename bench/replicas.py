@@ -250,6 +250,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _serving(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
 def _stamps(folder: Path, rank: int) -> list[tuple[int, int, float]]:
     path = folder / f"rank{rank}.txt"
     if not path.exists():
@@ -266,9 +274,10 @@ def _lose_node_once(root: Path, replicas: int, i: int) -> dict:
     env |= {"DDPKIT_RDZV_SECRET": "b2" * 32, "DDPKIT_MEMORY_ROOT": str(shm),
             "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}",
             "CUDA_VISIBLE_DEVICES": ""}  # fmt: skip
+    port = _free_port()
     cmd = [sys.executable, "-m", "ddpkit.cli", "run", "--nnodes", "2", "--nproc", "1",
            "--max-restarts", "3", "--recover", "in-place", "--rdzv-endpoint",
-           f"127.0.0.1:{_free_port()}", str(Path(__file__).resolve()), "--job", str(run_dir),
+           f"127.0.0.1:{port}", str(Path(__file__).resolve()), "--job", str(run_dir),
            str(stamps), str(replicas)]  # fmt: skip
 
     def node(label: str) -> subprocess.Popen:
@@ -276,7 +285,14 @@ def _lose_node_once(root: Path, replicas: int, i: int) -> dict:
         return subprocess.Popen(cmd, env=env, cwd=root, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # fmt: skip
 
-    a, b = node("a"), node("b")
+    # node b once node a serves the rendezvous: both on this machine, either could serve it, and b
+    # is the node taken away
+    a = node("a")
+    while not _serving(port):
+        if a.poll() is not None:
+            raise RuntimeError(f"node a ended: see {root}/{replicas}-{i}-a.log")
+        time.sleep(0.05)
+    b = node("b")
     deadline = time.monotonic() + 600
     while not any(s == HOLD_STEP for _, s, _ in _stamps(stamps, 0)):
         if time.monotonic() > deadline or a.poll() is not None:
