@@ -43,6 +43,23 @@ def reset_process_groups() -> None:
     world.group_count = 0
 
 
+def align_group_count() -> None:
+    """Every rank's count of torch's unnamed process groups made the largest of them (collective
+    over the default group; nothing outside a job of several ranks). From torch 2.14 on, a group
+    that some ranks make alone (``use_local_synchronization=True``: a writer group of a snapshot, a
+    search candidate's group) advances the count on those ranks only, and the next group that every
+    rank makes is named by the count: named otherwise on the others, it waits for them until its
+    timeout. Call before a group every rank makes, where ranks may have made groups alone."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return
+    counts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, c10d._world.group_count)
+    c10d._world.group_count = max(counts)
+
+
 _TABLES = (
     "pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag", "tags_to_pg",
     "pg_coalesce_state", "comms",

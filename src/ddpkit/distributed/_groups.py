@@ -7,6 +7,7 @@ import dataclasses
 import torch.distributed as dist
 
 from ddpkit._errors import ConfigError, checked_arguments
+from ddpkit._internals.groups import align_group_count
 from ddpkit.distributed._runtime import Runtime, get_runtime
 
 
@@ -27,7 +28,8 @@ def split_world(group_size: int) -> Runtime:
         )
     if not rt.distributed:
         return rt
-    # every rank creates every group, in the same order (torch requires it)
+    # every rank creates every group, in the same order (torch requires it), under the same names
+    align_group_count()
     groups = [
         dist.new_group(list(range(start, start + group_size)))
         for start in range(0, rt.world_size, group_size)

@@ -24,6 +24,7 @@ from optuna.trial import FrozenTrial, TrialState
 from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
 from ddpkit._fs.lock import FolderLock
+from ddpkit._internals.groups import align_group_count
 from ddpkit.distributed._collectives import all_gather_object, broadcast_object
 from ddpkit.distributed._groups import split_world
 from ddpkit.distributed._runtime import Runtime, get_runtime, print0
@@ -204,6 +205,7 @@ def _search_on_groups(
     # groups end up to a candidate apart, past a collective's timeout: wait for every group's last
     # candidate on a gloo group whose timeout is a day
     if dist.is_initialized():
+        align_group_count()  # the candidates' groups were made by their ranks alone
         waiting = dist.new_group(backend="gloo", timeout=timedelta(days=1))
         dist.barrier(group=waiting)
         dist.destroy_process_group(waiting)

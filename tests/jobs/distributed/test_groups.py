@@ -164,3 +164,34 @@ def _bad_split(size: int) -> str:
 def test_a_group_size_that_does_not_divide_the_world_is_refused():
     messages = run_on_ranks(functools.partial(_bad_split, 2), 3)
     assert all("group_size=2" in m and "divisor of 3" in m for m in messages)
+
+
+def _world_group_after_a_group_made_alone(align: bool) -> str:
+    """Rank 0 makes a group alone with ``use_local_synchronization`` (torch 2.14 on counts it on
+    rank 0 only; counted here by hand, so that every torch shows it); then every rank makes a group
+    of all: named alike once aligned, else each waits for the other under another name."""
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d as c10d
+
+    from ddpkit._internals.groups import align_group_count
+
+    if dist.get_rank() == 0:
+        dist.new_group([0], backend="gloo", use_local_synchronization=True)
+        c10d._world.group_count += 1  # as torch >= 2.14 counts it, on rank 0 alone
+    if align:
+        align_group_count()
+    try:
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=3))
+        total = torch.ones(1)
+        dist.all_reduce(total, group=group)
+    except Exception as err:  # noqa: BLE001 -- torch's error types vary by version
+        return "timed out" if "timeout" in str(err).lower() or "timed out" in str(err) else "failed"
+    return f"sum {float(total.item()):g}"
+
+
+def test_a_group_of_all_after_a_group_made_alone_is_named_alike_on_every_rank():
+    assert run_on_ranks(_world_group_after_a_group_made_alone, 2, (True,)) == ["sum 2", "sum 2"]
+    # Control: not aligned, the ranks name the group of all otherwise and never meet.
+    control = run_on_ranks(_world_group_after_a_group_made_alone, 2, (False,))
+    assert "timed out" in control, control

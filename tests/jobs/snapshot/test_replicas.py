@@ -238,6 +238,7 @@ def test_a_damaged_copy_is_named_and_every_rank_passes_over_it(tmp_path, capfd):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.torch_at_least(2, 7, "its fsdp job on the CPU")
 def test_a_rank_whose_memory_is_full_stops_every_ranks_copies_without_a_hang(tmp_path, capfd):
     from tests.tmpfs import small_tmpfs
 

@@ -38,15 +38,19 @@ _NONE = b"\0none"  # compare_set's answer for a missing key, when asked to expec
 
 
 def _connect(store: Any, timeout: float) -> Any:
-    """A new client connection to TCPStore ``store``'s server, its operations bounded by
-    ``timeout`` seconds (older torch has no ``clone``)."""
+    """A new client connection to ``store``'s server, its operations bounded by ``timeout``
+    seconds; where this torch cannot make one (no ``clone`` before torch 2.7, and a
+    ``PrefixStore`` does not say its prefix), ``store`` itself: its connection shared, its own
+    timeout left as it is (the caller's bound still holds, see :class:`BoundedStore`)."""
     clone = getattr(store, "clone", None)
     if clone is not None:
         conn = clone()
-    else:
+    elif hasattr(store, "host"):  # a TCPStore
         import torch.distributed as dist
 
         conn = dist.TCPStore(store.host, store.port, is_master=False, timeout=store.timeout)
+    else:
+        return store
     conn.set_timeout(timedelta(seconds=timeout))
     return conn
 
