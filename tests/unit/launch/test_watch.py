@@ -221,11 +221,7 @@ def test_the_group_timeout_reaches_the_record_with_the_first_mark_not_before(tmp
     its first mark is no stall)."""
     tmp_path = _job_folder(tmp_path, monkeypatch)
     monkeypatch.setenv("RANK", "2")
-    for name in ("_buf", "_ints", "_floats"):
-        monkeypatch.setattr(progress, name, None)
-    monkeypatch.setattr(progress, "_opened", False)
-    for name, value in {"_timeout": 0.0, "_trainer_counts": False, "_step": 0, "_steps": 0}.items():
-        monkeypatch.setattr(progress, name, value)  # begin_step sets them: put back after
+    _fresh_progress(monkeypatch)
     progress.collective_timeout(42.0)
     assert not (tmp_path / "rank2.progress").exists()
     progress.begin_step(1)
@@ -236,17 +232,22 @@ def test_the_group_timeout_reaches_the_record_with_the_first_mark_not_before(tmp
     progress._buf.close()
 
 
+def _fresh_progress(monkeypatch) -> None:
+    """This process's progress record as before its first mark, put back after the test."""
+    for name in ("_buf", "_ints", "_floats"):
+        monkeypatch.setattr(progress, name, None)
+    monkeypatch.setattr(progress, "_opened", False)
+    for name, value in {"_timeout": 0.0, "_trainer_counts": False, "_step": 0, "_steps": 0}.items():
+        monkeypatch.setattr(progress, name, value)  # begin_step sets them
+
+
 def test_a_rerun_in_place_counts_its_record_afresh(tmp_path, monkeypatch):
     """A survivor's record after ``forget_for_recovery`` reads as a fresh process's: no step, no
     collective, the count of marks gone on. Control: the failed run's counts, read before it, would
     put the survivor ahead of a replacement starting at step 0 (the watch would blame that one)."""
     tmp_path = _job_folder(tmp_path, monkeypatch)
     monkeypatch.setenv("RANK", "1")
-    for name in ("_buf", "_ints", "_floats"):
-        monkeypatch.setattr(progress, name, None)
-    monkeypatch.setattr(progress, "_opened", False)
-    for name, value in {"_timeout": 0.0, "_trainer_counts": False, "_step": 0, "_steps": 0}.items():
-        monkeypatch.setattr(progress, name, value)
+    _fresh_progress(monkeypatch)
     progress.begin_step(7)
     with progress.collective("all_reduce"):
         pass
