@@ -180,7 +180,7 @@ class Job(subprocess.CompletedProcess[str]):
 
     @property
     def records(self) -> list[dict[str, Any]]:
-        """:func:`read_records` of :attr:`run_dir`."""
+        """:func:`read_records` of ``run_dir``."""
         if self.run_dir is None:
             raise ValueError("this job was given no run_dir: pass run_dir= to run_job or wait_job")
         return read_records(self.run_dir)
@@ -197,7 +197,7 @@ class Job(subprocess.CompletedProcess[str]):
     def output(self, rank: int, stream: str = "stdout") -> str:
         """What local rank ``rank`` wrote to ``stream`` (``"stdout"`` or ``"stderr"``): rank 0's
         is the job's own (with the launcher's lines); another rank's is its log file under
-        :attr:`log_dir`, every attempt's in order ("" if it wrote nothing)."""
+        ``log_dir``, every attempt's in order ("" if it wrote nothing)."""
         if stream not in ("stdout", "stderr"):
             raise ValueError(f"stream={stream!r}; give 'stdout' or 'stderr'")
         if rank == 0:
