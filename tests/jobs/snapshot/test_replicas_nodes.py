@@ -7,7 +7,6 @@ than the loss needs) goes back to the disk."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -18,8 +17,9 @@ import pytest
 import torch
 
 from ddpkit._launch.agent import jobdir
-from ddpkit.testing import run_job, wait_until
+from ddpkit.testing import read_records, run_job, wait_until
 from tests.jobs.launch import netns
+from tests.jobs.snapshot.memory_jobs import pids, steps_done
 from tests.trainer_checks import rank_differences
 
 JOB = str(Path(__file__).parents[1] / "scripts" / "replica_job.py")
@@ -31,22 +31,7 @@ def _env(tmp: Path) -> dict[str, str]:
 
 
 def _records(run_dir: Path, event: str) -> list[dict]:
-    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-    return [r for r in records if r.get("event") == event]
-
-
-def _steps_done(log: Path, rank: int) -> int:
-    path = log / f"steps-rank{rank}.txt"
-    return len(path.read_text().splitlines()) if path.exists() else 0
-
-
-def _pids(log: Path) -> dict[int, dict[int, int]]:
-    """Global rank -> attempt -> the pid that ran it."""
-    out: dict[int, dict[int, int]] = {}
-    for path in log.glob("pid-rank*-attempt*"):
-        rank, attempt = path.name[len("pid-rank") :].split("-attempt")
-        out.setdefault(int(rank), {})[int(attempt)] = int(path.read_text())
-    return out
+    return [r for r in read_records(run_dir) if r.get("event") == event]
 
 
 def _listening(ns: str, port: int) -> bool:
@@ -137,7 +122,7 @@ def _reference(tmp: Path, nproc: int, *args: str) -> dict:
 def _lose_node_after_step(job: Job, step: int, *which: int) -> None:
     """Every rank holds after ``step``; nodes ``which`` are taken away and new ones started."""
     ranks = range(len(job.nodes))
-    job.wait(lambda: all(_steps_done(job.log, r) >= step for r in ranks), f"step {step}")
+    job.wait(lambda: all(steps_done(job.log, r) >= step for r in ranks), f"step {step}")
     job.replace(*which)
     job.hold.touch()
 
@@ -168,7 +153,7 @@ def test_a_node_lost_after_a_step_is_healed_in_place_from_its_copies_bitwise(
     # both ranks held after step 15, before its copy: step 14, rank 1's from rank 0's memory
     assert event["replaced"] == [1] and event["step"] == 14
     assert event["source"] == "memory (ranks [1] from rank 0)"
-    ran = _pids(job.log)
+    ran = pids(job.log)
     assert ran[0][0] == ran[0][1] and ran[1][0] != ran[1][1], ran
     assert _same(final, reference) and final["resumed_from"] == 14
     assert rank_differences(tmp_path / "lost.pt", tmp_path / "reference.pt") == {0: [], 1: []}
@@ -237,7 +222,7 @@ def test_two_node_losses_in_a_row_are_each_healed_in_place(tmp_path, nodes):
     assert [(e["step"], e["source"]) for e in events] == [
         (14, "memory (ranks [1] from rank 0)"), (19, "memory (ranks [1] from rank 0)")
     ]  # fmt: skip
-    ran = _pids(job.log)
+    ran = pids(job.log)
     assert len(set(ran[0].values())) == 1 and len(set(ran[1].values())) == 3, ran
     assert _same(final, reference)
     # Control: with copies off, each loss goes back to the disk (none: the start).
@@ -266,7 +251,7 @@ def test_two_of_three_nodes_lost_at_once_are_healed_from_three_copies(tmp_path, 
     final, job = lose_two("three", 29457, "3")
     (event,) = _records(tmp_path / "three", "recover")
     print(f"\nnodes b and c lost after step 15, three copies: {event}")
-    survivor = next(r for r, by in _pids(job.log).items() if len(set(by.values())) == 1)
+    survivor = next(r for r, by in pids(job.log).items() if len(set(by.values())) == 1)
     lost = sorted({0, 1, 2} - {survivor})
     assert event["replaced"] == lost and event["step"] == 14
     assert event["source"] == f"memory (ranks {lost} from rank {survivor})"
