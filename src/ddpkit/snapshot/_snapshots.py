@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from ddpkit._errors import ConfigError, Preempted, checked_arguments
-from ddpkit.data._epoch_loader import EpochLoader
 from ddpkit.data._fingerprint import refusal
+from ddpkit.data._loader import EpochLoader
 from ddpkit.distributed import _signals as signals
 from ddpkit.distributed._collectives import all_reduce
 from ddpkit.distributed._runtime import (

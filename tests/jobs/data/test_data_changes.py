@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import ddpkit
-import ddpkit.data._epoch_loader
+import ddpkit.data._loader
 from ddpkit import ConfigError
 from ddpkit.data._stream_sources import IterableStream, JsonlStream
 from ddpkit.testing import run_on_ranks
@@ -289,7 +289,7 @@ def test_the_trainer_refuses_a_resume_on_swapped_shards_before_any_step(
     assert refused["trained"] == [] and refused["step"] == 0
     # Control: with the check off the resume trains on, ends normally, and the epoch repeats and
     # skips records.
-    monkeypatch.setattr(ddpkit.data._epoch_loader, "changes", lambda saved, current: [])
+    monkeypatch.setattr(ddpkit.data._loader, "changes", lambda saved, current: [])
     tail = fit_stream(tmp_path / "control", swapped, max_steps=None)
     assert "refused" not in tail and tail["step"] == 10
     twice, never = twice_and_never(head["trained"] + tail["trained"], RECORDS["swapped"])
