@@ -49,6 +49,10 @@ from ddpkit.strategies._prepare import unwrap
 
 STALL_BUDGET = 0.05
 """The share of a step the copy to memory may hold the training loop when the interval is chosen."""
+TRANSFER_BUDGET = 0.02
+"""The share of a step the copies to other nodes may take when the interval is chosen: the waits
+for their transfers and their thread's CPU time (on a node with no core to spare, taken from the
+step's)."""
 TUNE_AFTER = 8
 """Saves (one per step) measured before the interval is chosen."""
 
@@ -124,8 +128,9 @@ def _gloo_group(group: Group) -> Any:
 class Interval:
     """The interval of the copies, once chosen: every ``every_steps`` steps, for a copy's median
     stall and a step's median time (ms); with copies on other nodes, their number (``replicas``,
-    the rank's own included), the bytes a rank sends each time (``copy_bytes``) and a transfer's
-    median time beside training (``transfer_ms``), the largest over the ranks."""
+    the rank's own included), the bytes a rank sends each time (``copy_bytes``), a transfer's
+    median time beside training (``transfer_ms``) and the CPU time its thread takes
+    (``transfer_cpu_ms``), the largest over the ranks."""
 
     every_steps: int
     stall_ms: float
@@ -133,6 +138,7 @@ class Interval:
     replicas: int = 1
     copy_bytes: int = 0
     transfer_ms: float = 0.0
+    transfer_cpu_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -210,6 +216,8 @@ class MemoryStore:
         self._skipped: set[tuple[int, ...]] = set()
         self.stalls: list[float] = []
         """Seconds each save held the training loop: its copy, and the wait for its transfer."""
+        self.waits: list[float] = []
+        """Of each save's stall, the seconds it waited for the transfer of the copy before."""
         self.rounds: list[replicas_lib.Round] = []
         """The transfers of the copies to other nodes, settled (the newest 64)."""
         # ddp: every rank holds the model and optimizer; a copy is a rank's own part alone
@@ -256,7 +264,8 @@ class MemoryStore:
         t0 = time.perf_counter()
         if not self._tuned:
             self._starts.append(t0)
-        self._settle()  # the copy before whole everywhere (mostly settled by the optimizer step)
+        # the copy before whole everywhere (mostly settled by the optimizer step)
+        self.waits.append(self._settle())
         step, payload, commit = -1, None, None
         if self.enabled:
             try:
@@ -282,6 +291,7 @@ class MemoryStore:
         waited = self._settle()
         if self.stalls:
             self.stalls[-1] += waited
+            self.waits[-1] += waited
 
     def _settle(self) -> float:
         """The transfer in flight, once it ended (the seconds waited for it): a copy that arrived
@@ -323,29 +333,37 @@ class MemoryStore:
             self.courier = None
 
     def _choose_interval(self) -> Interval:
-        """Every ``N`` steps, the smallest ``N`` whose stall stays within :data:`STALL_BUDGET` of a
-        step (the first two saves, which map the slots, left out), or the one given; the largest
-        over the ranks, with the transfers' figures."""
+        """Every ``N`` steps, the smallest ``N`` whose copy's own stall stays within
+        :data:`STALL_BUDGET` of a step and whose copies to other nodes (the waits for them, their
+        thread's CPU) within :data:`TRANSFER_BUDGET` (the first two saves, which map the slots, left
+        out), or the one given; the largest over the ranks, with the transfers' figures."""
         self._tuned = True
-        stalls = sorted(self.stalls[2:])
+        median = lambda xs: sorted(xs)[len(xs) // 2] if xs else 0.0  # noqa: E731
+        stall = median(self.stalls[2:])
         # a step: the time between two saves one step apart, less the save itself
-        gaps = sorted(
-            b - a - s for a, b, s in zip(self._starts[2:], self._starts[3:], self.stalls[2:])
-        )
-        stall = stalls[len(stalls) // 2] if stalls else 0.0
-        step = max(gaps[len(gaps) // 2], 1e-9) if gaps else 1.0
-        wanted = self._fixed or max(1, math.ceil(stall / (STALL_BUDGET * step)))
+        gaps = [b - a - s for a, b, s in zip(self._starts[2:], self._starts[3:], self.stalls[2:])]
+        step = max(median(gaps), 1e-9) if gaps else 1.0
         rounds = [r for r in self.rounds if not r.stopped]
-        took = sorted(r.seconds for r in rounds)
+        cpu = median([r.cpu for r in rounds])
+        wanted = max(1, math.ceil(stall / (STALL_BUDGET * step)))
+        if self.placement is not None:  # the copy's own stall, and its copies to other nodes
+            own = median([s - w for s, w in zip(self.stalls[2:], self.waits[2:])])
+            copies = median(self.waits[2:]) + cpu
+            wanted = max(
+                1,
+                math.ceil(own / (STALL_BUDGET * step)),
+                math.ceil(copies / (TRANSFER_BUDGET * step)),
+            )
         mine = {
-            "wanted": float(wanted),
-            "transfer": took[len(took) // 2] if took else 0.0,
+            "wanted": float(self._fixed or wanted),
+            "transfer": median([r.seconds for r in rounds]),
+            "cpu": cpu,
             "bytes": float(max((r.sent for r in rounds), default=0)),
         }
         most = all_reduce(mine, op="max", group=self.group)
         return Interval(
             int(most["wanted"]), round(1e3 * stall, 3), round(1e3 * step, 3), self.replicas,
-            int(most["bytes"]), round(1e3 * most["transfer"], 3),
+            int(most["bytes"]), round(1e3 * most["transfer"], 3), round(1e3 * most["cpu"], 3),
         )  # fmt: skip
 
     def _save(self, parts: Callable[[], Parts]) -> tuple[int, Any, Any]:

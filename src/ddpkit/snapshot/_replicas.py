@@ -235,12 +235,14 @@ class ReplicaFiles:
 
 @dataclass
 class Round:
-    """What one transfer did: the ``step`` it carried, its ``seconds`` and the bytes this rank
-    ``sent``; the ranks that ``stopped`` keeping copies (memory full: every rank then stops), the
-    copies that arrived ``damaged`` (not kept, named), an ``error`` (a rank lost)."""
+    """What one transfer did: the ``step`` it carried, its ``seconds``, the CPU seconds its thread
+    took (``cpu``) and the bytes this rank ``sent``; the ranks that ``stopped`` keeping copies
+    (memory full: every rank then stops), the copies that arrived ``damaged`` (not kept, named), an
+    ``error`` (a rank lost)."""
 
     step: int
     seconds: float = 0.0
+    cpu: float = 0.0
     sent: int = 0
     stopped: list[int] = field(default_factory=list)
     damaged: list[str] = field(default_factory=list)
@@ -305,7 +307,7 @@ class Courier:
         while (job := self._jobs.get()) is not None:
             step, payload, commit = job
             result = Round(step)
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.thread_time()
             try:
                 if commit is not None:
                     commit()
@@ -314,6 +316,7 @@ class Courier:
             except Exception as err:  # noqa: BLE001  (a rank lost: said where the step waits)
                 result.error = err
             result.seconds = time.perf_counter() - t0
+            result.cpu = time.thread_time() - cpu0
             self._results.put(result)
 
     def _round(self, result: Round, payload: torch.Tensor | None) -> None:

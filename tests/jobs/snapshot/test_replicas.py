@@ -112,7 +112,13 @@ SLOW = pytest.mark.slow
 
 
 def _trainer_job(
-    roots: list[str], run_dir: str, strategy: str, replicas: int, stop: bool, steps: int = STEPS
+    roots: list[str],
+    run_dir: str,
+    strategy: str,
+    replicas: int,
+    stop: bool,
+    steps: int = STEPS,
+    every: int | None = 1,
 ) -> dict:
     """The resume tests' job (tests/jobs/scripts/train_job.py) with a copy in memory every step,
     rank r on a node of its own (its job folder ``roots[r]``); ``stop``: rank 1 raises in the step
@@ -126,7 +132,7 @@ def _trainer_job(
     held: list = []
     final = train_job.train(
         run_dir, max_steps=steps, snapshot_every_steps=None, snapshot_every_epochs=0, memory=True,
-        memory_every_steps=1, strategy=strategy, sync_batchnorm=False, out=f"{run_dir}.pt",
+        memory_every_steps=every, strategy=strategy, sync_batchnorm=False, out=f"{run_dir}.pt",
         event=("raise", 1, KILL) if stop else None, trainer_hook=held.append,
     )  # fmt: skip
     memory = held[0].memory
@@ -177,6 +183,30 @@ def _train(tmp: Path, name: str, roots: list[str], strategy: str, replicas: int,
             ddpkit.spawn(job, 2)
         return None
     return ddpkit.spawn(job, 2)[0]
+
+
+def _budget_job(roots: list[str], run_dir: str, replicas: int) -> dict:
+    """The Trainer's job with the interval chosen, the copy's own stall never spacing copies out
+    and the transfers' budget a ten-thousandth of a step."""
+    from ddpkit.snapshot import _memory
+
+    _memory.STALL_BUDGET, _memory.TRANSFER_BUDGET = 1.0, 1e-4
+    return _trainer_job(roots, run_dir, "ddp", replicas, False, every=None)
+
+
+@pytest.mark.timeout(300)
+def test_the_chosen_interval_spaces_out_copies_whose_transfers_exceed_their_budget(tmp_path):
+    chosen = {}
+    for replicas in (2, 1):  # 1: the control, nothing leaves the node, nothing to space out
+        name = f"copies-{replicas}"
+        job = functools.partial(_budget_job, _roots(tmp_path, name), str(tmp_path / name), replicas)
+        ddpkit.spawn(job, 2)
+        (chosen[replicas],) = _records(tmp_path / name, "memory_snapshots")
+    on, off = chosen[2], chosen[1]
+    print(f"\nchosen with copies on the other node: {on}\nwithout: {off}")
+    # the thread's CPU of a transfer, over a ten-thousandth of a step, is many steps
+    assert on["replicas"] == 2 and on["transfer_cpu_ms"] > 0 and on["every_steps"] > 1
+    assert off["replicas"] == 1 and off["transfer_cpu_ms"] == 0 and off["every_steps"] == 1
 
 
 @pytest.mark.timeout(600)
