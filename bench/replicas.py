@@ -10,18 +10,19 @@ step, trained with copies on the other node (``replicas=2``) and without (``repl
 round, in an order that rotates and reverses from round to round; per round the median step (the
 time between two steps' ends, the copy and any wait for its transfer included), reported as the
 median over rounds of the per-round ratio with a distribution-free 95% interval; with the bytes a
-rank sends per copy, a transfer's median time beside training, the save's stall, and what a rank's
-copies occupy in ``/dev/shm`` (its own two slots and the two copies it holds of the other rank).
-Target: at most 1.02.
+rank sends per copy, a transfer's median time beside training and its thread's CPU time, the
+save's stall, and what a rank's copies occupy in ``/dev/shm`` (its own two slots and the two copies
+it holds of the other rank). ``--every auto``: the interval the Trainer chooses
+(``memory_every_steps=None``) instead, the steps after its choice measured. Target: at most 1.02.
 
 ``--part recovery``: two ``ddpkit run --nnodes 2 --nproc 1 --recover in-place`` agents on this
 machine train the transformer under ``fsdp`` (a disk snapshot every 10 steps); node b (its agent and
 worker) is SIGKILLed once rank 0 has finished step 25, and a new node is started in its place at
-once. With copies: healed from rank 0's copy of rank 1's state; without (``replicas=1``): every
-rank back to the disk snapshot of step 20. Reported: the ``recover`` record's phases, from the new
-node's start (its ``ddpkit run``, and its worker's process) to the first step after, the steps lost,
-and from the kill to step 25 done again. Target: the first step at most 2 s after the new node's
-start.
+once, or was started before as a spare that waits for a place. With copies: healed from rank 0's
+copy of rank 1's state; without (``replicas=1``): every rank back to the disk snapshot of step 20.
+Reported: the ``recover`` record's phases, from the new node's start (its ``ddpkit run``, and its
+worker's process) to the first step after, the steps lost, and from the kill to the first step and
+to step 25 done again. Target: the first step at most 2 s after the new node's start.
 
 ``--part scale``: W ranks (each a node) for W in ``--sizes``, rounds of a copy of ``--mib`` MiB to
 the next rank: a rank's CPU per round (every thread of its process: the criterion of
@@ -29,7 +30,7 @@ docs/scale.md, as the machine has fewer cores than ranks), and the restore's agr
 rank's offer gathered, the plan chosen); each fitted as a * W^b and carried to 1,024 ranks.
 
     python bench/replicas.py                          # all three parts
-    python bench/replicas.py --part steps --rounds 9 --steps 60
+    python bench/replicas.py --part steps --rounds 9 --steps 60 [--every auto]
     python bench/replicas.py --part recovery --repeats 3
     python bench/replicas.py --part scale --sizes 2,4,8,16
     python bench/replicas.py --part device           # on a GPU (scripts/gpu_check.sh runs it)
@@ -100,7 +101,9 @@ class Stamps:
             self.held = sum(p.stat().st_size for p in self.folder.glob(f"{self.run}-*.slot"))
 
 
-def _fit(model: str, strategy: str, replicas: int, steps: int, runs: str, folder: Path) -> dict:
+def _fit(
+    model: str, strategy: str, replicas: int, steps: int, runs: str, folder: Path, every: int | None
+) -> dict:
     from ddpkit.snapshot._slots import run_key
     from ddpkit.training._config import LoggingConfig, SnapshotConfig
     from ddpkit.training._trainer import Trainer, TrainerConfig
@@ -113,7 +116,7 @@ def _fit(model: str, strategy: str, replicas: int, steps: int, runs: str, folder
     config = TrainerConfig(
         run_dir=run_dir, batch_size=batch, epochs=1, max_steps=steps, num_workers=0,
         strategy=strategy,
-        snapshot=SnapshotConfig(every_epochs=0, memory=True, memory_every_steps=1,
+        snapshot=SnapshotConfig(every_epochs=0, memory=True, memory_every_steps=every,
                                 replicas=replicas),
         logging=LoggingConfig(progress=False, every_steps=10_000),
     )  # fmt: skip
@@ -124,19 +127,24 @@ def _fit(model: str, strategy: str, replicas: int, steps: int, runs: str, folder
     assert memory is not None and memory.replicas == replicas, "no memory folder, or no copies"
     with contextlib.redirect_stdout(io.StringIO()):
         trainer.fit()
-    warm = 5
+    warm = 5 if every is not None else 12  # the interval is chosen after 8 copies
     gaps = [b - a for a, b in zip(stamps.ends[warm:], stamps.ends[warm + 1 :])]
     rounds = [r for r in memory.rounds if not r.stopped]
     return {
         "step": statistics.median(gaps),
         "stall": statistics.median(memory.stalls[warm:]),
         "transfer": statistics.median(r.seconds for r in rounds) if rounds else 0.0,
+        "cpu": statistics.median(r.cpu for r in rounds) if rounds else 0.0,
+        "every": trainer.snapshots.schedule.memory_every_steps,
         "sent": max((r.sent for r in rounds), default=0),
         "held": stamps.held,
     }
 
 
-def steps_job(roots: list[str], runs: str, cases: list[tuple[str, str]], rounds: int, steps: int):
+def steps_job(
+    roots: list[str], runs: str, cases: list[tuple[str, str]], rounds: int, steps: int,
+    every: int | None,
+):  # fmt: skip
     rank = _as_node(roots)
     ddpkit.init()
     folder = Path(roots[rank], MEMORY)
@@ -145,7 +153,7 @@ def steps_job(roots: list[str], runs: str, cases: list[tuple[str, str]], rounds:
         order = [1, 2] if r % 2 == 0 else [2, 1]
         for model, strategy in cases[r % len(cases) :] + cases[: r % len(cases)]:
             for replicas in order:
-                got = _fit(model, strategy, replicas, steps, runs, folder)
+                got = _fit(model, strategy, replicas, steps, runs, folder, every)
                 out.setdefault(f"{model}|{strategy}|{replicas}", []).append(got)
     return out
 
@@ -168,27 +176,32 @@ def part_steps(a: argparse.Namespace) -> None:
     for root in roots:
         os.makedirs(os.path.join(root, MEMORY))
     try:
-        job = functools.partial(steps_job, roots, runs, cases, a.rounds, a.steps)
+        every = None if a.every == "auto" else int(a.every)
+        job = functools.partial(steps_job, roots, runs, cases, a.rounds, a.steps, every)
         out = ddpkit.spawn(job, 2, threads_per_process=1)[0]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(runs, ignore_errors=True)
-    print(f"\n## steps: {a.rounds} rounds x {a.steps} steps, 2 ranks (2 nodes of 1), rank 0\n")
+    print(f"\n## steps: {a.rounds} rounds x {a.steps} steps, 2 ranks (2 nodes of 1), rank 0, a "
+          f"copy every {a.every} step(s)\n")  # fmt: skip
     print(
-        "| model | strategy | step, off (ms) | step, on (ms) | on / off (95%) | sent per copy "
-        "| transfer (ms) | stall, on (ms) | held in /dev/shm, off / on |"
+        "| model | strategy | every, off / on | step, off (ms) | step, on (ms) | on / off (95%) "
+        "| sent per copy | transfer (ms) | its CPU (ms) | stall, off / on (ms) "
+        "| held in /dev/shm, off / on |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     names = {"cnn": "the DDP tutorials' CNN", "transformer": "transformer, 196 tensors"}
     for model, strategy in cases:
         off, on = out[f"{model}|{strategy}|1"], out[f"{model}|{strategy}|2"]
         ratios = [b["step"] / x["step"] for x, b in zip(off, on)]
         med, lo, hi = _median_ci(ratios)
         ms = lambda rs, k: 1e3 * statistics.median(r[k] for r in rs)  # noqa: E731
+        every = lambda rs: "/".join(str(n) for n in sorted({r["every"] for r in rs}))  # noqa: E731
         print(
-            f"| {names[model]} | {strategy} | {ms(off, 'step'):.2f} | {ms(on, 'step'):.2f} | "
-            f"{med:.3f} ({lo:.3f}-{hi:.3f}) | {on[-1]['sent'] / 1e3:.1f} kB | "
-            f"{ms(on, 'transfer'):.2f} | {ms(off, 'stall'):.2f} / {ms(on, 'stall'):.2f} | "
+            f"| {names[model]} | {strategy} | {every(off)} / {every(on)} | {ms(off, 'step'):.2f} | "
+            f"{ms(on, 'step'):.2f} | {med:.3f} ({lo:.3f}-{hi:.3f}) | {on[-1]['sent'] / 1e3:.1f} kB "
+            f"| {ms(on, 'transfer'):.2f} | {ms(on, 'cpu'):.2f} | {ms(off, 'stall'):.2f} / "
+            f"{ms(on, 'stall'):.2f} | "
             f"{off[-1]['held'] / 1e6:.2f} / {on[-1]['held'] / 1e6:.2f} MB |"
         )
 
@@ -196,15 +209,17 @@ def part_steps(a: argparse.Namespace) -> None:
 # -- recovery: a lost node healed from its copies, or from the disk --------------------------------
 
 HOLD_STEP, DISK_EVERY, STEPS = 25, 10, 40
+SPARE_WARM = 4.0
+"""Seconds a spare is given after it says it waits, for its fork server's imports (2.7 s here)."""
 
 
 def _process_start() -> float:
-    """This process's start (the kernel's, to 10 ms)."""
+    """This process's start, as wall-clock time (the kernel's tick, 10 ms; /proc/stat's boot time
+    is in whole seconds, so the age is taken against the boot clock instead)."""
     with open("/proc/self/stat") as f:
         ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-    with open("/proc/stat") as f:
-        boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
+    age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    return time.time() - age
 
 
 class StepTimes:
@@ -212,10 +227,14 @@ class StepTimes:
 
     def __init__(self, folder: Path, rank: int, attempt: int) -> None:
         self.file = open(folder / f"rank{rank}.txt", "a", buffering=1)  # noqa: SIM115
-        self.attempt = attempt
+        self.attempt, self.folder, self.rank = attempt, folder, rank
 
     def on_step_end(self, trainer: Any, taken: bool, output: Any) -> None:
         self.file.write(f"{self.attempt} {trainer.step} {time.time()}\n")
+        # held at the loss's step until the driver says go (``hold``: its spare is started first)
+        held = (self.folder / "hold").exists() and self.rank == 0 and self.attempt == 0
+        while held and trainer.step == HOLD_STEP and not (self.folder / "go").exists():
+            time.sleep(0.01)
 
 
 def recovery_job(run_dir: str, stamps: str, replicas: int) -> None:
@@ -265,8 +284,11 @@ def _stamps(folder: Path, rank: int) -> list[tuple[int, int, float]]:
     return [(int(a), int(s), float(t)) for a, s, t in map(str.split, path.read_text().splitlines())]
 
 
-def _lose_node_once(root: Path, replicas: int, i: int) -> dict:
-    run_dir, stamps = root / f"run-{replicas}-{i}", root / f"stamps-{replicas}-{i}"
+def _lose_node_once(root: Path, replicas: int, i: int, spare: bool = False) -> dict:
+    """One loss of node b; with ``spare``, its replacement is started before the loss and waits
+    for a place (a spare node), else right after the loss."""
+    name = f"{replicas}{'-spare' if spare else ''}-{i}"
+    run_dir, stamps = root / f"run-{name}", root / f"stamps-{name}"
     shm = root / "shm"
     for folder in (stamps, shm):
         folder.mkdir(exist_ok=True)
@@ -281,7 +303,7 @@ def _lose_node_once(root: Path, replicas: int, i: int) -> dict:
            str(stamps), str(replicas)]  # fmt: skip
 
     def node(label: str) -> subprocess.Popen:
-        log = open(root / f"{replicas}-{i}-{label}.log", "w")  # noqa: SIM115
+        log = open(root / f"{name}-{label}.log", "w")  # noqa: SIM115
         return subprocess.Popen(cmd, env=env, cwd=root, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # fmt: skip
 
@@ -290,22 +312,38 @@ def _lose_node_once(root: Path, replicas: int, i: int) -> dict:
     a = node("a")
     while not _serving(port):
         if a.poll() is not None:
-            raise RuntimeError(f"node a ended: see {root}/{replicas}-{i}-a.log")
+            raise RuntimeError(f"node a ended: see {root}/{name}-a.log")
         time.sleep(0.05)
     b = node("b")
-    deadline = time.monotonic() + 600
-    while not any(s == HOLD_STEP for _, s, _ in _stamps(stamps, 0)):
-        if time.monotonic() > deadline or a.poll() is not None:
-            raise RuntimeError(f"no step {HOLD_STEP}: see {root}/{replicas}-{i}-a.log")
-        time.sleep(0.01)
+
+    def reach(step: int) -> None:
+        deadline = time.monotonic() + 600
+        while not any(s == step for _, s, _ in _stamps(stamps, 0)):
+            if time.monotonic() > deadline or a.poll() is not None:
+                raise RuntimeError(f"no step {step}: see {root}/{name}-a.log")
+            time.sleep(0.01)
+
+    if spare:  # started after the first step, waiting for a place before the loss
+        (stamps / "hold").touch()
+        reach(1)
+        new_start, b2 = time.time(), node("b2")
+        while "waiting for one's place" not in (root / f"{name}-b2.log").read_text():
+            if b2.poll() is not None or time.time() - new_start > 120:
+                raise RuntimeError(f"the spare is not waiting: see {root}/{name}-b2.log")
+            time.sleep(0.05)
+        time.sleep(SPARE_WARM)
+    reach(HOLD_STEP)
     killed = time.time()
     os.killpg(b.pid, signal.SIGKILL)
     b.wait()
-    new_start = time.time()
-    b = node("b2")
+    (stamps / "go").touch()
+    if spare:
+        b = b2
+    else:
+        new_start, b = time.time(), node("b2")
     for p in (a, b):
         if p.wait(timeout=900) != 0:
-            raise RuntimeError(f"a node failed: see {root}/{replicas}-{i}-*.log")
+            raise RuntimeError(f"a node failed: see {root}/{name}-*.log")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     (event,) = [r for r in records if r.get("event") == "recover"]
     after = [(s, t) for att, s, t in _stamps(stamps, 0) if att == 1]
@@ -323,32 +361,38 @@ def _lose_node_once(root: Path, replicas: int, i: int) -> dict:
 
 def part_recovery(a: argparse.Namespace) -> None:
     root = Path(tempfile.mkdtemp(prefix="replicas-recovery-"))
-    results: dict[int, list[dict]] = {1: [], 2: []}
+    cases = {"copies": (2, False), "spare": (2, True), "disk": (1, False)}
+    results: dict[str, list[dict]] = {case: [] for case in cases}
     try:
         for i in range(a.repeats):
-            for replicas in (2, 1) if i % 2 == 0 else (1, 2):
-                results[replicas].append(_lose_node_once(root, replicas, i))
+            for case in list(cases) if i % 2 == 0 else list(cases)[::-1]:
+                replicas, spare = cases[case]
+                results[case].append(_lose_node_once(root, replicas, i, spare))
     finally:
         if not a.keep:
             shutil.rmtree(root, ignore_errors=True)
     print(f"\n## recovery: fsdp, the transformer, 2 nodes of 1 rank; node b SIGKILLed after "
           f"step {HOLD_STEP}, a disk snapshot every {DISK_EVERY} steps; {a.repeats} runs each, "
           "medians\n")  # fmt: skip
-    print("| from | resumed at | steps lost | leave | decide | regroup | restore | new node's "
-          "start to first step | its worker's start to first step | kill to first step | kill "
-          f"to step {HOLD_STEP} again |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for replicas, label in ((2, "copies in memory"), (1, "disk (replicas=1)")):
-        rs = results[replicas]
+    print("| from | new node | resumed at | steps lost | leave | decide | regroup | restore | new "
+          "node's start to first step | its worker's start to first step | kill to first step | "
+          f"kill to step {HOLD_STEP} again |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    labels = {"copies": ("copies in memory", "started after the loss"),
+              "spare": ("copies in memory", "a spare, waiting before the loss"),
+              "disk": ("disk (replicas=1)", "started after the loss")}  # fmt: skip
+    for case, (label, new) in labels.items():
+        rs = results[case]
 
         def med(key: str, rs: list[dict] = rs) -> float:
             return statistics.median(r["phases"][key] if key in r["phases"] else r[key] for r in rs)
 
         cells = [f"{med(k):.0f}" for k in ("resumed", "lost")]
         cells += [f"{med(k):.2f}" for k in ("leave", "decide", "regroup", "restore")]
-        cells += [f"{med(k):.2f} s" for k in ("from_new_node", "from_new_worker", "kill_to_first",
-                                               "kill_to_back")]  # fmt: skip
-        print(f"| {label}: `{rs[0]['source']}` | " + " | ".join(cells) + " |")
+        keys = ("from_new_worker", "kill_to_first", "kill_to_back")
+        cells += ["(before the loss)" if case == "spare" else f"{med('from_new_node'):.2f} s"]
+        cells += [f"{med(k):.2f} s" for k in keys]
+        print(f"| {label}: `{rs[0]['source']}` | {new} | " + " | ".join(cells) + " |")
 
 
 # -- scale: a round's cost and the restore's agreement as the world grows --------------------------
@@ -516,6 +560,8 @@ def main() -> None:
                    default="all")  # fmt: skip
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--every", default="1", help="the steps part's copy interval: N, or auto (the "
+                   "Trainer's choice)")  # fmt: skip
     p.add_argument("--cases", default="cnn:fsdp,transformer:fsdp,cnn:ddp,transformer:ddp",
                    help="model:strategy pairs of the steps part")  # fmt: skip
     p.add_argument("--repeats", type=int, default=3)

@@ -150,12 +150,14 @@ def node_loss(
     *extra: str,
     launcher: tuple[str, ...] = (),
     lose_node: bool = True,
+    spare: bool = False,
 ) -> tuple[dict, Job]:
     """Two nodes of one rank each train the memory job (``launcher``: more options of ``ddpkit
     run``, ``extra``: of the job); node b's agent is SIGKILLed (its worker dies with it) while both
-    ranks hold after step 15; a replacement node b starts (without ``lose_node``, both train to the
-    end). Node a's final state, and its :class:`~ddpkit.testing.Job` (its output, the records of
-    ``tmp/name``); the job's log folder is ``tmp/name-log``."""
+    ranks hold after step 15; a replacement node b starts (with ``spare``, before the loss, once it
+    says it waits for a place; without ``lose_node``, both train to the end). Node a's final state,
+    and its :class:`~ddpkit.testing.Job` (its output, the records of ``tmp/name``); the job's log
+    folder is ``tmp/name-log``."""
     (ns_a, addr_a), (ns_b, _) = nodes
     log, hold = tmp / f"{name}-log", tmp / f"{name}-go"
     env = memory_node_env(tmp)
@@ -178,6 +180,13 @@ def node_loss(
         return steps_done(log, 0) >= 15 and steps_done(log, 1) >= 15
 
     wait_until(holding, 240, what="both ranks holding after step 15")
+    if spare:  # a node started while the job runs on all its nodes waits for a place
+        replacement = netns.on(ns_b, cmd, tmp, f"{name}-b2.log", env)
+        wait_until(
+            lambda: "waiting for one's place" in (tmp / f"{name}-b2.log").read_text(),
+            120,
+            what="the spare node waiting for a place",
+        )
     first = {int(p.read_text()) for p in log.glob("pid-rank*-attempt0")}
     os.killpg(node_b.pid, signal.SIGKILL)  # node b: its agent and its worker
     node_b.wait()
@@ -188,7 +197,8 @@ def node_loss(
     )
     # node a's rank goes on, finds its peer gone, and its agent waits for a node to replace b
     hold.touch()
-    replacement = netns.on(ns_b, cmd, tmp, f"{name}-b2.log", env)
+    if not spare:
+        replacement = netns.on(ns_b, cmd, tmp, f"{name}-b2.log", env)
     codes = netns.finish([node_a, replacement], timeout=300)
     logs = [(tmp / f"{name}-{n}.log").read_text() for n in ("a", "b2")]
     assert codes == [0, 0], [text[-3000:] for text in logs]

@@ -220,6 +220,24 @@ def test_a_lost_node_is_replaced_in_place_bitwise_the_other_node_in_its_process(
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+def test_a_spare_node_waiting_for_a_place_takes_the_lost_nodes_in_place_bitwise(tmp_path):
+    def checks(nodes, reference) -> None:
+        launcher = IN_PLACE["launcher"]
+        final, job = node_loss(nodes, tmp_path, "spare", 29439, launcher=launcher, spare=True)
+        (event,) = job.events("recover")
+        print(f"\nnode b lost after step 15, a spare waiting took its place: {event}")
+        assert event["replaced"] == [1] and event["step"] == 14
+        spare = (tmp_path / "spare-b2.log").read_text()
+        assert "waiting for one's place" in spare and "taking the place of lost node 1" in spare
+        ran = pids(tmp_path / "spare-log")
+        assert ran[0][0] == ran[0][1] and ran[1][0] != ran[1][1], ran
+        check_exact(tmp_path, "spare", final, reference, "a spare in place", samples=False)
+
+    _across(tmp_path, checks)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_a_worker_killed_on_one_node_is_recovered_in_place_across_nodes(tmp_path):
     def checks(nodes, reference) -> None:
         kill = ("--kill-rank", "1", "--kill-after-step", "6", "--kill-delay", "0.003")
