@@ -53,7 +53,8 @@ class HookedAgent(LocalElasticAgent):
         self._monitored = False
         result = super().run(*args, **kwargs)
         # torchrun's loop returns only from a poll: one not through _monitor_workers went elsewhere
-        if self.hooked and not self._monitored:
+        # (None: its rendezvous closed before this node joined, no worker to poll)
+        if self.hooked and not self._monitored and result is not None:
             warn_once(
                 "torch's LocalElasticAgent._monitor_workers (never called)",
                 "what ddpkit adds to torchrun's agent (stack dumps after a failure, no restart "

@@ -279,6 +279,26 @@ def _two_node_job(nodes, tmp: Path, name: str, port: int, *extra: str):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+def test_a_spare_past_its_join_timeout_waits_for_a_restart_and_ends_when_the_job_ends(tmp_path):
+    """A node started while the job runs on all its nodes waits --join-timeout for a place, then in
+    torchrun's rendezvous for the job's next whole restart, saying so; the job ending first, it
+    ends naming that (torch's agent alone ends in an AttributeError)."""
+    with netns.two_nodes(f"rs{os.getpid() % 100000}") as nodes:
+        (_, _), (ns_b, _) = nodes
+        cmd, node_a, node_b, _, hold, env = _two_node_job(nodes, tmp_path, "late", 29440)
+        spare = netns.on(ns_b, [*cmd[:4], "--join-timeout", "1", *cmd[4:]], tmp_path,
+                         "late-spare.log", env)  # fmt: skip
+        said = lambda: (tmp_path / "late-spare.log").read_text()  # noqa: E731
+        wait_until(lambda: "waiting in torchrun's rendezvous" in said(), 120, what="the spare")
+        hold.touch()
+        codes = netns.finish([node_a, node_b, spare], timeout=300)
+        assert codes[:2] == [0, 0], (tmp_path / "late-a.log").read_text()[-3000:]
+        assert codes[2] == 2 and "the job ended before this node joined it" in said(), said()
+        assert "Traceback" not in said() and "never called" not in said(), said()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_a_node_cut_from_the_network_is_replaced_and_ends_its_own_workers_naming_why(tmp_path):
     """Node b's link goes down (its agent and worker alive, unreachable): node a counts it lost on
     evidence (its beat still, its agent not answering), a new node takes its place, the job ends

@@ -73,6 +73,17 @@ class Agent(HookedAgent):
         self.left: list[Left] = []
         Agent.current = self
 
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().run(*args, **kwargs)
+        if result is None:
+            # torch's agent returns None where the job's rendezvous closed before this node joined
+            # it (RendezvousGracefulExitError), and torch's launch_agent then fails on None
+            raise ConfigError(
+                "the job ended before this node joined it (its rendezvous is closed): nothing ran "
+                "on this node"
+            )
+        return result
+
     # -- an attempt's start ------------------------------------------------------------------------
 
     def start_env(self, worker_group: Any) -> dict[str, str]:

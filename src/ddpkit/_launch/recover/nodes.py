@@ -170,6 +170,11 @@ def _vacancy(
             if all(reader.finished(job["round"], n) for n in range(job["size"])):
                 raise ConfigError("the job finished while this node waited for a node's place")
         if time.monotonic() > deadline:
+            if alive:
+                say(
+                    f"no node's place opened within --join-timeout ({join_timeout:g} s): waiting "
+                    "in torchrun's rendezvous, to join the job at its next whole restart"
+                )
             return None
         time.sleep(0.05)
 
