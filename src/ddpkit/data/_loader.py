@@ -13,7 +13,6 @@ import os
 import random
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence, Sized
-from functools import partial
 from itertools import repeat
 from typing import Any, cast
 
@@ -388,7 +387,8 @@ class EpochLoader(DataLoader):
     def __init__(self, *args: Any, on_data_change: OnDataChange = "error", **kwargs: Any) -> None:
         """``DataLoader``'s arguments, with a :class:`~ddpkit.data.ShardedBatchSampler` as
         ``batch_sampler``; made by :func:`~ddpkit.build_loader`, which checks them."""
-        kwargs["worker_init_fn"] = partial(serve_stacks, then=kwargs.get("worker_init_fn"))
+        user_init = kwargs.get("worker_init_fn")
+        kwargs["worker_init_fn"] = functools.partial(serve_stacks, then=user_init)
         super().__init__(*args, **kwargs)
         self.on_data_change = on_data_change
         self.data_changes: list[str] = []
