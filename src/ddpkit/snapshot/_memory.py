@@ -55,6 +55,8 @@ for their transfers and their thread's CPU time (on a node with no core to spare
 step's)."""
 TUNE_AFTER = 8
 """Saves (one per step) measured before the interval is chosen."""
+KEPT_TIMES = 4096
+"""Saves whose times a store keeps, at least (:attr:`MemoryStore.stalls`)."""
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -215,7 +217,8 @@ class MemoryStore:
         self._check: Any = None
         self._skipped: set[tuple[int, ...]] = set()
         self.stalls: list[float] = []
-        """Seconds each save held the training loop: its copy, and the wait for its transfer."""
+        """Seconds each save held the training loop: its copy, and the wait for its transfer (the
+        newest :data:`KEPT_TIMES` to twice as many)."""
         self.waits: list[float] = []
         """Of each save's stall, the seconds it waited for the transfer of the copy before."""
         self.rounds: list[replicas_lib.Round] = []
@@ -264,8 +267,7 @@ class MemoryStore:
         t0 = time.perf_counter()
         if not self._tuned:
             self._starts.append(t0)
-        # the copy before whole everywhere (mostly settled by the optimizer step)
-        self.waits.append(self._settle())
+        waited = self._settle()  # the copy before whole everywhere (mostly settled by the step)
         step, payload, commit = -1, None, None
         if self.enabled:
             try:
@@ -283,6 +285,9 @@ class MemoryStore:
             # a rank that stopped says so in the transfer: every rank stops once it is settled
             self.courier.submit(step, payload if self.enabled else None, commit)
         self.stalls.append(time.perf_counter() - t0)
+        self.waits.append(waited)
+        if len(self.stalls) >= 2 * KEPT_TIMES:  # a long run's: bounded
+            del self.stalls[:KEPT_TIMES], self.waits[:KEPT_TIMES]
 
     def _before_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Before an optimizer step: the copies of the step before whole on the other nodes, so that

@@ -143,6 +143,31 @@ def test_the_memory_interval_is_checked_where_it_is_given():
         SnapshotConfig(memory=True, memory_every_steps=0)
 
 
+@pytest.mark.parametrize("kept", [3, 4096])  # 4096: the control, a short run keeps every time
+def test_a_long_runs_copy_times_are_bounded(tmp_path, monkeypatch, kept):
+    import ddpkit
+    from ddpkit.distributed._channels import JOB_DIR_ENV, MEMORY
+    from ddpkit.snapshot import _memory
+    from ddpkit.training._config import LoggingConfig, TrainerConfig
+
+    monkeypatch.setattr(_memory, "KEPT_TIMES", kept)
+    (tmp_path / "job" / MEMORY).mkdir(parents=True)
+    monkeypatch.setenv(JOB_DIR_ENV, str(tmp_path / "job"))
+    model = torch.nn.Linear(4, 2)
+    data = torch.utils.data.TensorDataset(torch.randn(160, 4), torch.randint(0, 2, (160,)))
+    config = TrainerConfig(
+        run_dir=str(tmp_path / "run"), batch_size=8, epochs=1, num_workers=0,
+        logging=LoggingConfig(progress=False),
+        snapshot=SnapshotConfig(memory=True, memory_every_steps=1, every_epochs=0),
+    )  # fmt: skip
+    trainer = ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, config)
+    memory = trainer.snapshots.memory
+    assert memory is not None, "the snapshots in memory are off: the test shows nothing"
+    trainer.fit()
+    assert trainer.step == 20 and len(memory.waits) == len(memory.stalls)
+    assert len(memory.stalls) == (20 if kept == 4096 else 20 % kept + kept), memory.stalls
+
+
 # -- where every rank resumes ----------------------------------------------------------------------
 
 
