@@ -279,6 +279,37 @@ def _two_node_job(nodes, tmp: Path, name: str, port: int, *extra: str):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+def test_a_new_node_started_after_the_recovery_was_given_back_joins_the_whole_restart(tmp_path):
+    """Node b lost, no new node within the survivors' --join-timeout: the recovery is given back
+    and node a waits in torchrun's rendezvous (as long again); a new node started then (judging
+    node b's silence would take it --node-timeout and more) joins that rendezvous at once, and the
+    job restarts whole and resumes bitwise."""
+
+    def checks(nodes, reference) -> None:
+        (_, _), (ns_b, _) = nodes
+        cmd, node_a, node_b, log, hold, env = _two_node_job(
+            nodes, tmp_path, "late", 29441, "--join-timeout", "12", "--node-timeout", "600"
+        )
+        os.killpg(node_b.pid, signal.SIGKILL)
+        node_b.wait()
+        hold.touch()
+        said_a = lambda: (tmp_path / "late-a.log").read_text()  # noqa: E731
+        wait_until(lambda: "not recovered in place" in said_a(), 240, what="the given back")
+        new = netns.on(ns_b, cmd, tmp_path, "late-b2.log", env)
+        codes = netns.finish([node_a, new], timeout=600)
+        said_new = (tmp_path / "late-b2.log").read_text()
+        assert codes == [0, 0], [said_a()[-3000:], said_new[-3000:]]
+        assert "was given back" in said_new, said_new[-3000:]
+        ran = pids(log)
+        assert ran[0][0] != ran[0][1], ran  # the whole restart: node a's worker started again
+        final = torch.load(tmp_path / "late.pt", weights_only=False)
+        check_exact(tmp_path, "late", final, reference, "after a give-back", samples=False)
+
+    _across(tmp_path, checks)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_a_spare_past_its_join_timeout_waits_for_a_restart_and_ends_when_the_job_ends(tmp_path):
     """A node started while the job runs on all its nodes waits --join-timeout for a place, then in
     torchrun's rendezvous for the job's next whole restart, saying so; the job ending first, it

@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -564,6 +566,85 @@ def test_a_new_node_started_before_the_loss_waits_for_the_place_and_takes_it(sto
     (place,) = places
     assert place.node == 1 and place.go["lost_nodes"] == [1]
     place.link.close(), a.close()
+
+
+def test_a_new_node_after_the_recovery_was_given_back_joins_the_whole_restart_at_once(
+    store, tmp_path, capfd
+):
+    a = Node(store, tmp_path, 0, [0], join_timeout=0.2)
+    b = Node(store, tmp_path, 1, [1])
+    assert not a.poll() and not b.poll()
+    b.lose()
+    wait(a.folder, 0)
+    until(lambda: not a.poll() and a.place.ended, "node a to give the failure back")
+    # node b's place judged (its agent gone), waited for past --node-timeout without the given back
+    # seen: torch's rendezvous, where node a waits for the whole restart, would time out meanwhile
+    found: list = []
+    late = threading.Thread(
+        target=lambda: found.append(join(store, node_timeout=3600.0)), daemon=True
+    )
+    late.start()
+    until(lambda: not late.is_alive(), "the new node to go to torch's rendezvous")
+    assert found == [None]
+    assert "was given back (no new node took the place" in capfd.readouterr().err
+    a.close()
+
+
+def test_control_an_old_given_back_recovery_does_not_send_a_new_node_away(store, tmp_path):
+    a = Node(store, tmp_path, 0, [0], join_timeout=0.2)
+    b = Node(store, tmp_path, 1, [1])
+    assert not a.poll() and not b.poll()
+    b.lose()
+    wait(a.folder, 0)
+    until(lambda: not a.poll() and a.place.ended, "node a to give the failure back")
+    # the job restarted whole since, in another round: the recovery given back is of the past
+    job = json.loads(store.get(nodes.KEY + "job"))
+    store.set(nodes.KEY + "job", json.dumps(job | {"round": "after-the-restart"}))
+    found: list = []
+    joiner = threading.Thread(
+        target=lambda: found.append(join(store, wait=0.0, node_timeout=2.0)), daemon=True
+    )
+    joiner.start()
+    joiner.join(1.0)
+    assert joiner.is_alive() and found == []  # it waits for the verdict on the node not answering
+    joiner.join()
+    assert found == [None]
+    a.close()
+
+
+def test_a_new_node_whose_jobs_store_stops_answering_says_so_and_goes_on(tmp_path, capfd):
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=1))
+    client.set(nodes.KEY + "job", json.dumps({"round": "r", "size": 2}))
+    del server  # the node serving the rendezvous is lost
+    assert join(client, wait=0.0, join_timeout=1.0, node_timeout=1.0) is None
+    err = capfd.readouterr().err
+    assert "the job's store stopped answering while this node waited for a place" in err, err
+    assert "Traceback" not in err
+
+
+def test_a_new_node_is_probed_where_its_claim_says_never_at_the_lost_nodes_address(store, tmp_path):
+    a = _lose_b(store, tmp_path, join_timeout=600.0)
+    lost = json.loads(store.get(nodes.KEY + "vacant"))
+    g = lost["recovery"]
+    # a new node that claimed the place and stopped before its link beats (SIGSTOP, or no core):
+    # its listener is up, the kernel takes the probes' connections
+    listener = socket.create_server(("127.0.0.1", 0))
+    claim = f"127.0.0.1 {listener.getsockname()[1]} {os.getpid()} token"
+    assert store.compare_set(f"{nodes.KEY}{g}/claim/1", "", claim) == claim.encode()
+    until(settled(a), "node a to go on with the new node")
+    beat = lambda: a.link._beats.get(1)  # noqa: E731
+    # node a looks until a probe of node 1 has been answered (the beat stands still meanwhile)
+    until(lambda: (a.poll() or True) and beat() is not None and beat().probed > 0
+          and not beat().probing, "a probe of the new node")  # fmt: skip
+    assert a.link.lost([1]) == {}, "the new node judged by the lost node's address"
+    # Control: its listener gone (the new node died after its claim), it is lost on that evidence.
+    listener.close()
+    until(lambda: 1 in a.link.lost([1]), "the new node, gone, counted lost")
+    assert "refused a connection at 127.0.0.1" in a.link.lost([1])[1]
+    a.close()
 
 
 def test_the_job_store_lost_ends_this_nodes_workers_naming_it(store, tmp_path):

@@ -428,6 +428,10 @@ class InPlace:
                 del lost[n]
         if lost and (why := self._unclaimed(link, g, lost)) is not None:
             return link.decide(g, {"end": why}) if why else None
+        for n in lost:  # each new node probed where its claim says, before anyone looks
+            host, port, *_ = (link.get(f"{g}/claim/{n}") or b"").decode().split() + ["", ""]
+            if port.isdigit():
+                link.link.take_probe(n, f"{host} {port}")
         replaced = {r for rep in reports.values() if rep is not None for r in rep["exited"]}
         replaced.update(r for n in lost for r in link.get_json(f"ranks/{link.round}/{n}") or [])
         times = [t for rep in reports.values() if rep is not None for t in rep["times"]]

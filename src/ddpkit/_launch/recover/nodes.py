@@ -3,17 +3,20 @@ store (:class:`Agreement`), and a node started in a lost node's place takes it (
 
 Keys, under :data:`KEY` (outside any round: a new node knows none): ``incident`` (the newest
 recovery any node raised), ``G/node/N`` (what node N's ranks did in recovery G), ``G/decider`` (the
-first node to have said it), ``G/claim/N`` (the new node in lost node N's place, or ``-``: node N
-spoke after all), ``G/outcome`` (the go, or why the recovery is given back: written once, the first
-stands), ``vacant`` (the places offered), ``job`` (the round and size of a job on all its nodes),
+first node to have said it), ``G/claim/N`` (the new node in lost node N's place, ``host port pid
+token`` with the address its agent answers probes at, or ``-``: node N spoke after all),
+``G/outcome`` (the go, or why the recovery is given back: written once, the first stands),
+``vacant`` (the places offered), ``job`` (the round and size of a job on all its nodes),
 ``ranks/R/N`` (node N's global ranks in round R).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
+import socket
 import time
 from typing import Any
 
@@ -61,8 +64,10 @@ class Agreement:
         return self.get_json(f"{generation}/outcome")
 
     def decide(self, generation: int, outcome: dict[str, Any]) -> dict[str, Any]:
-        """``outcome`` for recovery ``generation`` where none was written; the one that stands."""
-        return json.loads(self.compare_set(f"{generation}/outcome", json.dumps(outcome)))
+        """``outcome`` for recovery ``generation`` where none was written (with the round it was
+        decided in); the one that stands."""
+        written = json.dumps(outcome | {"round": self.round})
+        return json.loads(self.compare_set(f"{generation}/outcome", written))
 
     def closed(self) -> int:
         """The newest recovery the nodes closed (went on or gave back), 0 before any."""
@@ -89,30 +94,50 @@ def join(
 ) -> Joined | None:
     """For a node of ``nproc`` workers starting in a job that recovers in place: the place of a
     lost node, claimed, once the job's agents say go; None where no place is open (or none opens
-    within ``wait`` seconds of a recovery under way): torch's rendezvous follows."""
+    within ``wait`` seconds of a recovery under way, or the job's store stops answering): torch's
+    rendezvous follows."""
     reader = _Reader(BoundedStore(store))
+    listener: socket.socket | None = None
+    mine: NodeLink | None = None
     try:
         found = _vacancy(reader, store, wait, join_timeout, node_timeout)
         if found is None:
             return None
         generation, vacant = found
-        place = _claim(reader, addr, nproc, generation, vacant)
+        # the probes' listener before the claim, its address in it: the others probe this node
+        # from the go on, never the lost node's address, however long this node takes to beat
+        listener = socket.create_server((addr or "127.0.0.1", 0), backlog=1024)
+        probe_at = f"{addr or listener.getsockname()[0]} {listener.getsockname()[1]}"
+        place = _claim(reader, probe_at, nproc, generation, vacant)
         if place is None:
             return None  # of another size: torch's rendezvous takes it in at a whole restart
         say(f"taking the place of lost node {place} (recovery {generation})")
         # beating from now: the others must not count the place lost again while this node starts
-        mine = NodeLink(store, vacant["round"], place, vacant["size"], addr, node_timeout)
+        mine = NodeLink(store, vacant["round"], place, vacant["size"], addr, node_timeout, listener)
+        listener = None  # the link's
         deadline = time.monotonic() + join_timeout
         while time.monotonic() < deadline:
             outcome = reader.get_json(f"{generation}/outcome")
             if outcome is not None and "go" in outcome:
-                return Joined(place, vacant["size"], vacant["round"], outcome["go"], mine)
+                joined = Joined(place, vacant["size"], vacant["round"], outcome["go"], mine)
+                mine = None  # the agent's now
+                return joined
             if outcome is not None:
                 break
             time.sleep(0.02)
-        mine.close()
+        return None
+    except (RuntimeError, OSError) as err:  # the store's host lost, or this node cut from it
+        say(
+            f"the job's store stopped answering while this node waited for a place "
+            f"({type(err).__name__}: {err}); torch's rendezvous follows"
+        )
         return None
     finally:
+        if mine is not None:
+            with contextlib.suppress(Exception):
+                mine.close()
+        if listener is not None:
+            listener.close()
         reader.conn.close()
 
 
@@ -156,15 +181,26 @@ def _vacancy(
     deadline = time.monotonic() + (
         join_timeout if alive else wait + (node_timeout if judged else 0)
     )
-    next_look = 0.0
+    next_look, first = 0.0, reader.incident()
     while True:
         generation = reader.incident()
-        if generation and reader.get_json(f"{generation}/outcome") is None:
+        outcome = reader.get_json(f"{generation}/outcome") if generation else None
+        if generation and outcome is None:
             vacant = reader.get_json("vacant")
             if vacant is not None and vacant["recovery"] == generation:
                 return generation, vacant
         elif not alive and not judged:
             return None  # no recovery under way
+        elif (
+            outcome is not None
+            and "end" in outcome
+            and (generation > first or (job is not None and outcome.get("round") == job["round"]))
+        ):
+            # given back while this node waited, or in the job's round before it came (the job
+            # has not restarted since): the whole restart takes it in
+            say(f"the job's recovery {generation} was given back ({outcome['end']}): joining "
+                "torchrun's rendezvous, for the job's whole restart")  # fmt: skip
+            return None
         elif time.monotonic() >= next_look:  # once a second: each look is a node's key
             next_look = time.monotonic() + 1.0
             if all(reader.finished(job["round"], n) for n in range(job["size"])):
@@ -180,10 +216,11 @@ def _vacancy(
 
 
 def _claim(
-    reader: _Reader, addr: str, nproc: int, generation: int, vacant: dict[str, Any]
+    reader: _Reader, probe_at: str, nproc: int, generation: int, vacant: dict[str, Any]
 ) -> int | None:
-    """The lost node's place this node claimed, None where none of its size is open."""
-    claim = f"{addr} {os.getpid()} {secrets.token_hex(8)}"  # two new nodes never hold one claim
+    """The lost node's place this node claimed (with ``probe_at``, ``host port``, where its agent
+    answers probes), None where none of its size is open."""
+    claim = f"{probe_at} {os.getpid()} {secrets.token_hex(8)}"  # two new nodes never hold one
     sizes = {n: len(reader.get_json(f"ranks/{vacant['round']}/{n}") or []) for n in vacant["nodes"]}
     for n, size in sizes.items():
         if size != nproc:

@@ -177,7 +177,10 @@ class NodeLink:
         nodes: int = 0,
         addr: str = "",
         node_timeout: float = NODE_TIMEOUT,
+        listener: socket.socket | None = None,
     ) -> None:
+        """``listener``: the probes' listening socket, where the agent made it already (a new
+        node's, whose address went with its claim of a lost node's place)."""
         self.store = BoundedStore(store)  # this thread's (the agent's poll); the beat has its own
         self._base = store
         self.round, self.node, self.nodes = round_name, node, nodes
@@ -195,7 +198,9 @@ class NodeLink:
         if node >= 0:
             # the kernel takes a probe's connection whatever the agent does; a thread that never
             # touches the store closes it, and a full backlog (1024) needs hours of probes
-            self._listener = socket.create_server((addr or "127.0.0.1", 0), backlog=1024)
+            self._listener = listener or socket.create_server(
+                (addr or "127.0.0.1", 0), backlog=1024
+            )
             host, port = self._listener.getsockname()[:2]
             # the store has just answered the rendezvous: only its loss fails this, not its load
             key = f"{self.prefix}probe/{node}"
@@ -345,6 +350,12 @@ class NodeLink:
             host, _, port = (raw or b"").decode().partition(" ")
             self._probes[node] = (host, int(port)) if port.isdigit() else None
         return self._probes[node]
+
+    def take_probe(self, node: int, address: str) -> None:
+        """Probe ``node`` at ``address`` (``host port``) from now on: a new node's, given with its
+        claim of a lost node's place, so that no look ever probes the lost node's."""
+        self.store.call("set", f"{self.prefix}probe/{node}", address, timeout=self.node_timeout)
+        self._probes.pop(node, None)
 
     def forget(self, nodes: Iterable[int]) -> None:
         """Judge ``nodes`` afresh (a new node in a lost one's place): from the next look on."""
