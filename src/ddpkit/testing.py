@@ -44,7 +44,14 @@ __all__ = [
 T = TypeVar("T")
 
 
-def _on_rank(fn: Callable[..., Any], args: tuple[Any, ...], collective_timeout: float) -> Any:
+def _on_rank(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    collective_timeout: float,
+    env: Callable[[int], Mapping[str, str]] | None,
+) -> Any:
+    if env is not None:
+        os.environ.update(env(int(os.environ["RANK"])))
     init(backend="gloo", device="cpu", timeout=timedelta(seconds=collective_timeout))
     return fn(*args)
 
@@ -56,15 +63,17 @@ def run_on_ranks(
     *,
     timeout: float = 120.0,
     collective_timeout: float = 30.0,
+    env: Callable[[int], Mapping[str, str]] | None = None,
 ) -> list[Any]:
     """``fn(*args)`` on ``world_size`` local CPU processes joined over gloo; each rank's result, in
     rank order. A rank that raises fails the call with its traceback. Forked (``fn`` may be a
     lambda) unless this process initialised CUDA (then ``fn`` and ``args`` must be picklable). A
     collective waits at most ``collective_timeout`` seconds, the call at most ``timeout``.
+    ``env(rank)``: variables set in a rank's environment before it joins (``LOCAL_RANK="0"`` and
+    ``LOCAL_WORLD_SIZE="1"``: each rank a node of its own).
     """
-    return spawn(
-        functools.partial(_on_rank, fn, args, collective_timeout), world_size, timeout=timeout
-    )
+    job = functools.partial(_on_rank, fn, args, collective_timeout, env)
+    return spawn(job, world_size, timeout=timeout)
 
 
 def _same_value(a: Any, b: Any) -> bool:

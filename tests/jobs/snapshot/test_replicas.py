@@ -21,6 +21,7 @@ import ddpkit
 from ddpkit.distributed._channels import JOB_DIR_ENV, MEMORY
 from ddpkit.snapshot import _replicas as rl
 from ddpkit.snapshot import _slots as sl
+from ddpkit.testing import run_on_ranks
 from tests.trainer_checks import rank_differences
 
 # -- the transfer ----------------------------------------------------------------------------------
@@ -77,7 +78,7 @@ def test_each_ranks_copy_reaches_the_next_node_whole_and_a_rank_that_stops_stops
 ):
     # three nodes of one rank: rank r's copies go to rank r+1; four rounds, rank 1 stops at the 4th
     rounds = [[True] * 3] * 3 + [[True, False, True]] + [[True] * 3]
-    seen = ddpkit.spawn(functools.partial(_courier_job, str(tmp_path), rounds, 60.0), 3)
+    seen = run_on_ranks(_courier_job, 3, (str(tmp_path), rounds, 60.0))
     for rank, mine in enumerate(seen):
         source = (rank - 1) % 3
         assert [s["held"] for s in mine[:3]] == [
@@ -100,7 +101,7 @@ def test_a_rank_that_stops_without_saying_so_leaves_the_others_waiting_until_the
         return _courier_job(root, rounds, 5.0)
 
     start = time.monotonic()
-    seen = ddpkit.spawn(functools.partial(job, str(tmp_path)), 2)
+    seen = run_on_ranks(job, 2, (str(tmp_path),))
     assert seen[0][1]["error"] is not None and seen[1][0]["error"] is None
     assert time.monotonic() - start >= 5
 
@@ -121,13 +122,12 @@ def _trainer_job(
     every: int | None = 1,
 ) -> dict:
     """The resume tests' job (tests/jobs/scripts/train_job.py) with a copy in memory every step,
-    rank r on a node of its own (its job folder ``roots[r]``); ``stop``: rank 1 raises in the step
-    after step ``KILL`` (whose state is whole on both ranks, its copies maybe in flight)."""
+    rank r on a node of its own (:func:`_as_nodes`: its job folder ``roots[r]``); ``stop``: rank 1
+    raises in the step after step ``KILL`` (whose state is whole on both ranks, its copies maybe in
+    flight)."""
     import tests.jobs.scripts.train_job as train_job
     from ddpkit.training._config import SnapshotConfig
 
-    rank = int(os.environ["RANK"])
-    os.environ.update({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", JOB_DIR_ENV: roots[rank]})
     train_job.SnapshotConfig = functools.partial(SnapshotConfig, replicas=replicas)  # type: ignore[misc]
     held: list = []
     final = train_job.train(
@@ -176,13 +176,18 @@ def _same(final: dict, reference: dict, strategy: str) -> bool:
     )
 
 
+def _as_nodes(roots: list[str]):
+    """Each rank a node of its own, its job folder ``roots[rank]`` (``run_on_ranks``'s ``env``)."""
+    return lambda rank: {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", JOB_DIR_ENV: roots[rank]}
+
+
 def _train(tmp: Path, name: str, roots: list[str], strategy: str, replicas: int, stop: bool):
     job = functools.partial(_trainer_job, roots, str(tmp / name), strategy, replicas, stop)
     if stop:
         with pytest.raises(Exception, match="planned failure"):
-            ddpkit.spawn(job, 2)
+            run_on_ranks(job, 2, env=_as_nodes(roots))
         return None
-    return ddpkit.spawn(job, 2)[0]
+    return run_on_ranks(job, 2, env=_as_nodes(roots))[0]
 
 
 def _budget_job(roots: list[str], run_dir: str, replicas: int) -> dict:
@@ -198,9 +203,8 @@ def _budget_job(roots: list[str], run_dir: str, replicas: int) -> dict:
 def test_the_chosen_interval_spaces_out_copies_whose_transfers_exceed_their_budget(tmp_path):
     chosen = {}
     for replicas in (2, 1):  # 1: the control, nothing leaves the node, nothing to space out
-        name = f"copies-{replicas}"
-        job = functools.partial(_budget_job, _roots(tmp_path, name), str(tmp_path / name), replicas)
-        ddpkit.spawn(job, 2)
+        name, roots = f"copies-{replicas}", _roots(tmp_path, f"copies-{replicas}")
+        run_on_ranks(_budget_job, 2, (roots, str(tmp_path / name), replicas), env=_as_nodes(roots))
         (chosen[replicas],) = _records(tmp_path / name, "memory_snapshots")
     on, off = chosen[2], chosen[1]
     print(f"\nchosen with copies on the other node: {on}\nwithout: {off}")
@@ -278,7 +282,7 @@ def test_a_rank_whose_memory_is_full_stops_every_ranks_copies_without_a_hang(tmp
         (tmp_path / "tiny" / MEMORY).mkdir()
         roots = [str(roomy), str(tmp_path / "tiny")]
         job = functools.partial(_trainer_job, roots, str(tmp_path / "run"), "fsdp", 2, False, 6)
-        finals = ddpkit.spawn(job, 2)
+        finals = run_on_ranks(job, 2, env=_as_nodes(roots))
     # rank 1 had no room for its slot; it said so in the next transfer, and both went on without
     # copies in memory
     assert [(f["step"], f["copying"]) for f in finals] == [(6, False), (6, False)]
