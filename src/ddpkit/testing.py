@@ -45,13 +45,14 @@ T = TypeVar("T")
 
 
 def _on_rank(
+    rank: int,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     collective_timeout: float,
     env: Callable[[int], Mapping[str, str]] | None,
 ) -> Any:
     if env is not None:
-        os.environ.update(env(int(os.environ["RANK"])))
+        os.environ.update(env(rank))
     init(backend="gloo", device="cpu", timeout=timedelta(seconds=collective_timeout))
     return fn(*args)
 
@@ -72,8 +73,10 @@ def run_on_ranks(
     ``env(rank)``: variables set in a rank's environment before it joins (``LOCAL_RANK="0"`` and
     ``LOCAL_WORLD_SIZE="1"``: each rank a node of its own).
     """
-    job = functools.partial(_on_rank, fn, args, collective_timeout, env)
-    return spawn(job, world_size, timeout=timeout)
+    job = functools.partial(
+        _on_rank, fn=fn, args=args, collective_timeout=collective_timeout, env=env
+    )
+    return spawn(job, world_size, timeout=timeout, pass_rank=True)
 
 
 def _same_value(a: Any, b: Any) -> bool:
