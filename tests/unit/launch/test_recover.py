@@ -453,12 +453,19 @@ def test_a_node_whose_agent_is_there_is_not_lost_however_long_its_beat_stands_st
     a.close(), b.close()
 
 
-def test_control_a_lost_node_nobody_replaces_gives_the_failure_back_naming_it(store, tmp_path):
+def _given_back(store, tmp_path) -> Node:
+    """Nodes a (deciding) and b; b is lost, nobody takes its place within a's --join-timeout, and a
+    gives the recovery back. Node a."""
     a, b = Node(store, tmp_path, 0, [0], join_timeout=0.2), Node(store, tmp_path, 1, [1])
     assert not a.poll() and not b.poll()
     b.lose()
     wait(a.folder, 0)
     until(lambda: not a.poll() and a.place.ended, "node a to give the failure back")
+    return a
+
+
+def test_control_a_lost_node_nobody_replaces_gives_the_failure_back_naming_it(store, tmp_path):
+    a = _given_back(store, tmp_path)
     assert "no new node took the place of lost node(s) 1 within --join-timeout" in a.place.fallback
     assert (a.folder / "end-1").read_text() == a.place.fallback
     # a new node arriving now finds no place: torch's rendezvous takes it in at the restart
@@ -571,12 +578,7 @@ def test_a_new_node_started_before_the_loss_waits_for_the_place_and_takes_it(sto
 def test_a_new_node_after_the_recovery_was_given_back_joins_the_whole_restart_at_once(
     store, tmp_path, capfd
 ):
-    a = Node(store, tmp_path, 0, [0], join_timeout=0.2)
-    b = Node(store, tmp_path, 1, [1])
-    assert not a.poll() and not b.poll()
-    b.lose()
-    wait(a.folder, 0)
-    until(lambda: not a.poll() and a.place.ended, "node a to give the failure back")
+    a = _given_back(store, tmp_path)
     # node b's place judged (its agent gone), waited for past --node-timeout without the given back
     # seen: torch's rendezvous, where node a waits for the whole restart, would time out meanwhile
     found: list = []
@@ -591,12 +593,7 @@ def test_a_new_node_after_the_recovery_was_given_back_joins_the_whole_restart_at
 
 
 def test_control_an_old_given_back_recovery_does_not_send_a_new_node_away(store, tmp_path):
-    a = Node(store, tmp_path, 0, [0], join_timeout=0.2)
-    b = Node(store, tmp_path, 1, [1])
-    assert not a.poll() and not b.poll()
-    b.lose()
-    wait(a.folder, 0)
-    until(lambda: not a.poll() and a.place.ended, "node a to give the failure back")
+    a = _given_back(store, tmp_path)
     # the job restarted whole since, in another round: the recovery given back is of the past
     job = json.loads(store.get(nodes.KEY + "job"))
     store.set(nodes.KEY + "job", json.dumps(job | {"round": "after-the-restart"}))

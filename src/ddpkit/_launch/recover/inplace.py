@@ -429,9 +429,8 @@ class InPlace:
         if lost and (why := self._unclaimed(link, g, lost)) is not None:
             return link.decide(g, {"end": why}) if why else None
         for n in lost:  # each new node probed where its claim says, before anyone looks
-            host, port, *_ = (link.get(f"{g}/claim/{n}") or b"").decode().split() + ["", ""]
-            if port.isdigit():
-                link.link.take_probe(n, f"{host} {port}")
+            if (address := link.claimer_probe(g, n)) is not None:
+                link.link.take_probe(n, address)
         replaced = {r for rep in reports.values() if rep is not None for r in rep["exited"]}
         replaced.update(r for n in lost for r in link.get_json(f"ranks/{link.round}/{n}") or [])
         times = [t for rep in reports.values() if rep is not None for t in rep["times"]]

@@ -63,6 +63,12 @@ class Agreement:
         """Recovery ``generation``'s outcome, ``{"go": record}`` or ``{"end": why}``; None yet."""
         return self.get_json(f"{generation}/outcome")
 
+    def claimer_probe(self, generation: int, node: int) -> str | None:
+        """Where the new node that claimed lost node ``node``'s place in recovery ``generation``
+        answers probes (``host port``, from its claim: :func:`_claim`); None where none says."""
+        host, port, *_ = [*(self.get(f"{generation}/claim/{node}") or b"").decode().split(), "", ""]
+        return f"{host} {port}" if port.isdigit() else None
+
     def decide(self, generation: int, outcome: dict[str, Any]) -> dict[str, Any]:
         """``outcome`` for recovery ``generation`` where none was written (with the round it was
         decided in); the one that stands."""
