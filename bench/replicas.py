@@ -24,14 +24,21 @@ Reported: the ``recover`` record's phases, from the new node's start (its ``ddpk
 worker's process) to the first step after, the steps lost, and from the kill to the first step and
 to step 25 done again. Target: the first step at most 2 s after the new node's start.
 
+``--part smaller``: three such agents, ``--nnodes 2:3``, the transformer under ``ddp``; node b is
+SIGKILLed after step 25 and none replaces it: past ``--join-timeout`` (20 s here) the job restarts
+on the two left and resumes from the old world's copies in memory (``replicas=2``), or from the
+disk snapshot of step 20 (``replicas=1``). Reported: the steps lost, from the kill to the first
+step at two ranks, and from the new workers' start to it (the resume's part).
+
 ``--part scale``: W ranks (each a node) for W in ``--sizes``, rounds of a copy of ``--mib`` MiB to
 the next rank: a rank's CPU per round (every thread of its process: the criterion of
 docs/scale.md, as the machine has fewer cores than ranks), and the restore's agreement (every
 rank's offer gathered, the plan chosen); each fitted as a * W^b and carried to 1,024 ranks.
 
-    python bench/replicas.py                          # all three parts
+    python bench/replicas.py                          # every part
     python bench/replicas.py --part steps --rounds 9 --steps 60 [--every auto]
     python bench/replicas.py --part recovery --repeats 3
+    python bench/replicas.py --part smaller --repeats 2
     python bench/replicas.py --part scale --sizes 2,4,8,16
     python bench/replicas.py --part device           # on a GPU (scripts/gpu_check.sh runs it)
 
@@ -127,17 +134,22 @@ def _fit(
     assert memory is not None and memory.replicas == replicas, "no memory folder, or no copies"
     with contextlib.redirect_stdout(io.StringIO()):
         trainer.fit()
-    warm = 5 if every is not None else 12  # the interval is chosen after 8 copies
+    # the interval is chosen after 8 copies, 16 where copies go to the other node
+    warm = 5 if every is not None else 20
     gaps = [b - a for a, b in zip(stamps.ends[warm:], stamps.ends[warm + 1 :])]
-    rounds = [r for r in memory.rounds if not r.stopped]
+    rounds = [r for r in memory.rounds if r.carried and not r.stopped]
+    chosen = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
+    (interval,) = [r for r in chosen if r.get("event") == "memory_snapshots"] or [{}]
     return {
         "step": statistics.median(gaps),
-        "stall": statistics.median(memory.stalls[warm:]),
+        # the saves after the choice (none where it is past the run: those before it)
+        "stall": statistics.median(memory.stalls[warm:] or memory.stalls[2:]),
         "transfer": statistics.median(r.seconds for r in rounds) if rounds else 0.0,
         "cpu": statistics.median(r.cpu for r in rounds) if rounds else 0.0,
         "every": trainer.snapshots.schedule.memory_every_steps,
         "sent": max((r.sent for r in rounds), default=0),
         "held": stamps.held,
+        "cost": interval.get("transfer_cost_ms", 0.0) / 1e3,
     }
 
 
@@ -186,10 +198,10 @@ def part_steps(a: argparse.Namespace) -> None:
           f"copy every {a.every} step(s)\n")  # fmt: skip
     print(
         "| model | strategy | every, off / on | step, off (ms) | step, on (ms) | on / off (95%) "
-        "| sent per copy | transfer (ms) | its CPU (ms) | stall, off / on (ms) "
-        "| held in /dev/shm, off / on |"
+        "| sent per copy | transfer (ms) | its CPU (ms) | its cost to a step, as chosen (ms) "
+        "| stall, off / on (ms) | held in /dev/shm, off / on |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     names = {"cnn": "the DDP tutorials' CNN", "transformer": "transformer, 196 tensors"}
     for model, strategy in cases:
         off, on = out[f"{model}|{strategy}|1"], out[f"{model}|{strategy}|2"]
@@ -200,7 +212,8 @@ def part_steps(a: argparse.Namespace) -> None:
         print(
             f"| {names[model]} | {strategy} | {every(off)} / {every(on)} | {ms(off, 'step'):.2f} | "
             f"{ms(on, 'step'):.2f} | {med:.3f} ({lo:.3f}-{hi:.3f}) | {on[-1]['sent'] / 1e3:.1f} kB "
-            f"| {ms(on, 'transfer'):.2f} | {ms(on, 'cpu'):.2f} | {ms(off, 'stall'):.2f} / "
+            f"| {ms(on, 'transfer'):.2f} | {ms(on, 'cpu'):.2f} | {ms(on, 'cost'):.2f} "
+            f"| {ms(off, 'stall'):.2f} / "
             f"{ms(on, 'stall'):.2f} | "
             f"{off[-1]['held'] / 1e6:.2f} / {on[-1]['held'] / 1e6:.2f} MB |"
         )
@@ -237,8 +250,8 @@ class StepTimes:
             time.sleep(0.01)
 
 
-def recovery_job(run_dir: str, stamps: str, replicas: int) -> None:
-    """A node's worker: the transformer under fsdp, a copy in memory every step."""
+def recovery_job(run_dir: str, stamps: str, replicas: int, strategy: str = "fsdp") -> None:
+    """A node's worker: the transformer under ``strategy``, a copy in memory every step."""
     from ddpkit.training._config import LoggingConfig, SnapshotConfig
     from ddpkit.training._trainer import Trainer, TrainerConfig
 
@@ -249,9 +262,10 @@ def recovery_job(run_dir: str, stamps: str, replicas: int) -> None:
     loader_overhead = _sibling("loader_overhead")
     torch.manual_seed(0)
     net, data, loss_fn, batch, _ = loader_overhead.model_case("transformer", STEPS * 64)
+    # the smaller part's ddp job goes from 3 ranks to 2 with the same global batch (24)
+    sizes = {"global_batch_size": 24} if strategy == "ddp" else {"batch_size": batch}
     config = TrainerConfig(
-        run_dir=run_dir, batch_size=batch, epochs=1, max_steps=STEPS, num_workers=0,
-        strategy="fsdp",
+        run_dir=run_dir, **sizes, epochs=1, max_steps=STEPS, num_workers=0, strategy=strategy,
         snapshot=SnapshotConfig(every_steps=DISK_EVERY, every_epochs=0, memory=True,
                                 memory_every_steps=1, replicas=replicas),
         logging=LoggingConfig(progress=False, every_steps=10_000),
@@ -284,6 +298,13 @@ def _stamps(folder: Path, rank: int) -> list[tuple[int, int, float]]:
     return [(int(a), int(s), float(t)) for a, s, t in map(str.split, path.read_text().splitlines())]
 
 
+def _job_env(shm: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "RANK"))}
+    return env | {"DDPKIT_RDZV_SECRET": "b2" * 32, "DDPKIT_MEMORY_ROOT": str(shm),
+                  "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}",
+                  "CUDA_VISIBLE_DEVICES": ""}  # fmt: skip
+
+
 def _lose_node_once(root: Path, replicas: int, i: int, spare: bool = False) -> dict:
     """One loss of node b; with ``spare``, its replacement is started before the loss and waits
     for a place (a spare node), else right after the loss."""
@@ -292,10 +313,7 @@ def _lose_node_once(root: Path, replicas: int, i: int, spare: bool = False) -> d
     shm = root / "shm"
     for folder in (stamps, shm):
         folder.mkdir(exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "RANK"))}
-    env |= {"DDPKIT_RDZV_SECRET": "b2" * 32, "DDPKIT_MEMORY_ROOT": str(shm),
-            "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}",
-            "CUDA_VISIBLE_DEVICES": ""}  # fmt: skip
+    env = _job_env(shm)
     port = _free_port()
     cmd = [sys.executable, "-m", "ddpkit.cli", "run", "--nnodes", "2", "--nproc", "1",
            "--max-restarts", "3", "--recover", "in-place", "--rdzv-endpoint",
@@ -395,13 +413,93 @@ def part_recovery(a: argparse.Namespace) -> None:
         print(f"| {label}: `{rs[0]['source']}` | {new} | " + " | ".join(cells) + " |")
 
 
+# -- smaller: a lost node and none to replace it ---------------------------------------------------
+
+JOIN_TIMEOUT = 20
+
+
+def _lose_node_for_good(root: Path, replicas: int, i: int) -> dict:
+    """Three nodes of one rank under ``ddp``, ``--nnodes 2:3``; node b lost after step
+    :data:`HOLD_STEP` and none started: the job goes on at two ranks."""
+    name = f"smaller-{replicas}-{i}"
+    run_dir, stamps, shm = root / f"run-{name}", root / f"stamps-{name}", root / "shm"
+    for folder in (stamps, shm):
+        folder.mkdir(exist_ok=True)
+    port = _free_port()
+    cmd = [sys.executable, "-m", "ddpkit.cli", "run", "--nnodes", "2:3", "--nproc", "1",
+           "--max-restarts", "3", "--recover", "in-place", "--join-timeout", str(JOIN_TIMEOUT),
+           "--rdzv-conf", "last_call_timeout=2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+           str(Path(__file__).resolve()), "--job", str(run_dir), str(stamps), str(replicas),
+           "ddp"]  # fmt: skip
+
+    def node(label: str) -> subprocess.Popen:
+        log = open(root / f"{name}-{label}.log", "w")  # noqa: SIM115
+        return subprocess.Popen(cmd, env=_job_env(shm), cwd=root, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+    a = node("a")
+    while not _serving(port):
+        if a.poll() is not None:
+            raise RuntimeError(f"node a ended: see {root}/{name}-a.log")
+        time.sleep(0.05)
+    b, c = node("b"), node("c")
+    deadline = time.monotonic() + 600
+    while not any(s == HOLD_STEP for r in range(3) for _, s, _ in _stamps(stamps, r)):
+        if time.monotonic() > deadline or a.poll() is not None:
+            raise RuntimeError(f"no step {HOLD_STEP}: see {root}/{name}-a.log")
+        time.sleep(0.01)
+    killed = time.time()
+    os.killpg(b.pid, signal.SIGKILL)
+    b.wait()
+    for p in (a, c):
+        if p.wait(timeout=900) != 0:
+            raise RuntimeError(f"a node failed: see {root}/{name}-*.log")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    (event,) = [r for r in records if r.get("event") == "resume" and r["world_size"] == 2]
+    stamped = [x for r in range(3) for x in _stamps(stamps, r)]
+    done_before = max(s for att, s, _ in stamped if att == 0)
+    first_step = min(t for att, _, t in stamped if att > 0)
+    starts = [float(f.read_text()) for f in stamps.glob("start-rank*-attempt[1-9]*")]
+    return {
+        "source": event["file"], "resumed": event["step"], "lost": done_before - event["step"],
+        "kill_to_first": first_step - killed, "from_new_worker": first_step - max(starts),
+    }  # fmt: skip
+
+
+def part_smaller(a: argparse.Namespace) -> None:
+    root = Path(tempfile.mkdtemp(prefix="replicas-smaller-"))
+    cases = {"memory": 2, "disk": 1}
+    results: dict[str, list[dict]] = {case: [] for case in cases}
+    try:
+        for i in range(a.repeats):
+            for case in list(cases) if i % 2 == 0 else list(cases)[::-1]:
+                results[case].append(_lose_node_for_good(root, cases[case], i))
+    finally:
+        if not a.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    print(f"\n## a lost node and none to replace it: ddp, the transformer, 3 nodes of 1 rank, "
+          f"--nnodes 2:3, --join-timeout {JOIN_TIMEOUT}; node b SIGKILLed after step {HOLD_STEP}, "
+          f"a disk snapshot every {DISK_EVERY} steps; {a.repeats} runs each, medians\n"
+          )  # fmt: skip
+    print("| resumed from | at | steps lost | kill to first step at 2 ranks | new workers' start "
+          "to first step |")  # fmt: skip
+    print("|---|---|---|---|---|")
+    for case, rs in results.items():
+
+        def med(key: str, rs: list[dict] = rs) -> float:
+            return statistics.median(r[key] for r in rs)
+
+        print(f"| {case}: `{rs[0]['source']}` | {med('resumed'):.0f} | {med('lost'):.0f} | "
+              f"{med('kill_to_first'):.2f} s | {med('from_new_worker'):.2f} s |")  # fmt: skip
+
+
 # -- scale: a round's cost and the restore's agreement as the world grows --------------------------
 
 
 def scale_job(root: str, mib: float, rounds: int) -> dict:
     from ddpkit.snapshot import _replicas as rl
     from ddpkit.snapshot import _slots as sl
-    from ddpkit.snapshot._memory import choose
+    from ddpkit.snapshot._choice import choose
 
     rt = ddpkit.init()
     import torch.distributed as dist
@@ -528,10 +626,10 @@ def part_device(a: argparse.Namespace) -> None:
 
 
 def _plan_at(world: int, per_node: int) -> float:
-    """Seconds :func:`~ddpkit.snapshot._memory.choose` takes to plan a restore of ``world`` ranks
+    """Seconds :func:`~ddpkit.snapshot._choice.choose` takes to plan a restore of ``world`` ranks
     (nodes of ``per_node``, two copies each, the last node lost), measured here in one process."""
     from ddpkit.snapshot import _replicas as rl
-    from ddpkit.snapshot._memory import choose
+    from ddpkit.snapshot._choice import choose
 
     placement, _ = rl.place([r // per_node for r in range(world)], 2)
     assert placement is not None
@@ -553,10 +651,10 @@ def _plan_at(world: int, per_node: int) -> float:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--job":
-        recovery_job(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        recovery_job(sys.argv[2], sys.argv[3], int(sys.argv[4]), *sys.argv[5:6])
         return
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    p.add_argument("--part", choices=("steps", "recovery", "scale", "device", "all"),
+    p.add_argument("--part", choices=("steps", "recovery", "smaller", "scale", "device", "all"),
                    default="all")  # fmt: skip
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--steps", type=int, default=50)
@@ -574,8 +672,8 @@ def main() -> None:
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     print(f"# copies on other nodes: {platform.node()}, {os.cpu_count()} cores, torch "
           f"{torch.__version__}, gloo, 1 thread a rank; {now}")  # fmt: skip
-    parts = (("steps", part_steps), ("recovery", part_recovery), ("scale", part_scale),
-             ("device", part_device))  # fmt: skip
+    parts = (("steps", part_steps), ("recovery", part_recovery), ("smaller", part_smaller),
+             ("scale", part_scale), ("device", part_device))  # fmt: skip
     for part, run in parts:
         if a.part in (part, "all"):
             run(a)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import sys
 import time
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
 from ddpkit._internals.modules import buffer_slots
 from ddpkit.distributed import Group
@@ -34,6 +34,8 @@ from ddpkit.distributed._runtime import DEFAULT_TIMEOUT, Runtime
 from ddpkit.snapshot import _codec as codec
 from ddpkit.snapshot import _replicas as replicas_lib
 from ddpkit.snapshot import _slots as slots_lib
+from ddpkit.snapshot._choice import Choice, choose, choose_resized, uncovered
+from ddpkit.snapshot._interval import TUNE_AFTER, Interval, interval_of, median
 from ddpkit.snapshot._state import (
     STREAMS_PART,
     Check,
@@ -47,14 +49,6 @@ from ddpkit.snapshot._state import (
 from ddpkit.strategies._base import PER_RANK, UNSTEPPED, Strategy
 from ddpkit.strategies._prepare import unwrap
 
-STALL_BUDGET = 0.05
-"""The share of a step the copy to memory may hold the training loop when the interval is chosen."""
-TRANSFER_BUDGET = 0.02
-"""The share of a step the copies to other nodes may take when the interval is chosen: the waits
-for their transfers and their thread's CPU time (on a node with no core to spare, taken from the
-step's)."""
-TUNE_AFTER = 8
-"""Saves (one per step) measured before the interval is chosen."""
 KEPT_TIMES = 4096
 """Saves whose times a store keeps, at least (:attr:`MemoryStore.stalls`)."""
 
@@ -100,11 +94,12 @@ def open_memory(
             _warn(f"snapshots in memory are off (rank {rt.rank}: {reason}); disk snapshots only")
         return None
     group = _gloo_group(rt.group) if rt.distributed else None
-    placement, note = None, ""
+    placement, note, node = None, "", [rt.rank]
     if rt.distributed:
         # a node is the global rank of its first local rank (torchrun numbers a node's ranks on)
         nodes = all_gather_object(dist.get_rank() - rt.local_rank, group=group)
         placement, note = replicas_lib.place(nodes, replicas)
+        node = [r for r, n in enumerate(nodes) if n == nodes[rt.rank]]
     if note and rt.is_main:
         _warn(note)
     if rt.local_rank == 0:
@@ -114,8 +109,9 @@ def open_memory(
         if warning := slots_lib.room_warning(slots.folder, need):
             _warn(warning)
     return MemoryStore(
-        slots, every_steps=every_steps, group=group, strategy=strategy, placement=placement
-    )
+        slots, every_steps=every_steps, group=group, strategy=strategy, placement=placement,
+        node=node,
+    )  # fmt: skip
 
 
 def _gloo_group(group: Group) -> Any:
@@ -126,74 +122,11 @@ def _gloo_group(group: Group) -> Any:
     return dist.new_group(ranks, backend="gloo", use_local_synchronization=True, timeout=timeout)
 
 
-@dataclass(frozen=True)
-class Interval:
-    """The interval of the copies, once chosen: every ``every_steps`` steps, for a copy's median
-    stall and a step's median time (ms); with copies on other nodes, their number (``replicas``,
-    the rank's own included), the bytes a rank sends each time (``copy_bytes``), a transfer's
-    median time beside training (``transfer_ms``) and the CPU time its thread takes
-    (``transfer_cpu_ms``), the largest over the ranks."""
-
-    every_steps: int
-    stall_ms: float
-    step_ms: float
-    replicas: int = 1
-    copy_bytes: int = 0
-    transfer_ms: float = 0.0
-    transfer_cpu_ms: float = 0.0
-
-
-@dataclass(frozen=True)
-class Choice:
-    """Where every rank resumes: a position (epoch, step, cursor), and for each rank that does not
-    hold it, the rank that holds a copy of its state there and sends it (``sources``: pairs of
-    needy rank and holder; none: every rank holds it)."""
-
-    position: tuple[int, ...]
-    sources: tuple[tuple[int, int], ...] = ()
-
-    @property
-    def step(self) -> int:
-        return self.position[1]
-
-
-def choose(
-    offers: list[dict[str, Any]], disk_step: int = -1, *, over_own: bool = False
-) -> Choice | None:
-    """The newest position every rank can resume from, newer than ``disk_step``, or None (the same
-    on every rank). ``offers[r]``: rank r's ``own`` positions, and the positions of the copies it
-    holds of other ranks' states (``replicas``: {rank: positions}). A rank that does not hold a
-    position takes it from the first rank holding a copy of its state there; ``over_own``: a copy
-    holds a rank's own part alone (``ddp``), read over its holder's own slot there."""
-    own = [{tuple(p) for p in o["own"]} for o in offers]
-    held = [
-        {int(r): {tuple(p) for p in ps} for r, ps in o.get("replicas", {}).items()} for o in offers
-    ]
-    everywhere = set().union(*own, *(ps for h in held for ps in h.values()))
-    for position in sorted(everywhere, reverse=True):
-        if position[1] <= disk_step:
-            return None
-        sources: list[tuple[int, int]] = []
-        for rank, mine in enumerate(own):
-            if position in mine:
-                continue
-            holders = [
-                h
-                for h, copies in enumerate(held)
-                if position in copies.get(rank, ()) and (not over_own or position in own[h])
-            ]
-            if not holders:
-                break
-            sources.append((rank, holders[0]))
-        else:
-            return Choice(position, tuple(sources))
-    return None
-
-
 class MemoryStore:
     """The snapshots in memory of one run (:func:`open_memory`). ``placement``: where copies of
     each rank's state go on other nodes (None: none leaves the node); ``strategy``: whose optimizer
-    steps wait for the copies of the step before to be whole (at most one step is lost)."""
+    steps wait for the copies of the step before to be whole (at most one step is lost); ``node``:
+    the ranks of this rank's node."""
 
     def __init__(
         self,
@@ -203,11 +136,16 @@ class MemoryStore:
         group: Group,
         strategy: Strategy | None = None,
         placement: replicas_lib.Placement | None = None,
+        node: list[int] | None = None,
     ) -> None:
         self.slots, self.group = slots, group
+        self.node = node or [slots.rank]  # the ranks of this node
         self._fixed = every_steps  # None: chosen after the first saves; recorded either way
         self._tuned = False
         self._starts: list[float] = []  # perf_counter at each save, until the interval is chosen
+        self._sent: list[bool] = []  # whether each of those saves went to the other nodes
+        self._swept = False  # the files of this run at another world size, once removed
+        self._carried = False  # whether a copy has reached the other nodes whole
         self._calls = 0
         self.rank, self.world_size = slots.rank, slots.world_size
         self.enabled = True
@@ -259,19 +197,31 @@ class MemoryStore:
         self._calls += 1
         if self.enabled or self.courier is not None:
             self._save_timed(parts)
-        if not self._tuned and self._calls == TUNE_AFTER:
+        if not self._tuned and self._calls == TUNE_AFTER * (2 if self._paired else 1):
             return self._choose_interval()
         return None
 
+    @property
+    def _paired(self) -> bool:
+        """Whether the interval is chosen on saves sent to other nodes paired with saves not sent
+        (the cost of a transfer, measured whole: its thread, gloo's and the turns of the core it
+        takes from the step)."""
+        return self.placement is not None and self._fixed is None
+
     def _save_timed(self, parts: Callable[[], Parts]) -> None:
         t0 = time.perf_counter()
+        # while the interval is chosen, every other save stays on this node (every rank alike)
+        send = self._tuned or not self._paired or self._calls % 2 == 1
         if not self._tuned:
             self._starts.append(t0)
+            self._sent.append(send and self.courier is not None)
         waited = self._settle()  # the copy before whole everywhere (mostly settled by the step)
+        if not self._swept and (self._carried if self.placement is not None else self._calls > 1):
+            self._sweep_other_sizes()  # this world holds a whole copy of its own
         step, payload, commit = -1, None, None
         if self.enabled:
             try:
-                step, payload, commit = self._save(parts)
+                step, payload, commit = self._save(parts, keep=send)
             except slots_lib.MemoryUnavailable as err:
                 self.enabled = False
                 _warn(f"snapshots in memory stop on rank {self.rank} ({err}); disk snapshots go on")
@@ -283,11 +233,29 @@ class MemoryStore:
                     f"other ranks ({self.copies.full}); disk snapshots go on"
                 )
             # a rank that stopped says so in the transfer: every rank stops once it is settled
-            self.courier.submit(step, payload if self.enabled else None, commit)
+            self.courier.submit(step, payload if self.enabled else None, commit, send=send)
         self.stalls.append(time.perf_counter() - t0)
         self.waits.append(waited)
         if len(self.stalls) >= 2 * KEPT_TIMES:  # a long run's: bounded
             del self.stalls[:KEPT_TIMES], self.waits[:KEPT_TIMES]
+
+    def _sweep_other_sizes(self) -> None:
+        """Remove the slots and copies of this run at another world size this node holds, but
+        those under a name this world's ranks of the node write (they overwrite them; one removed
+        could be one a rank has just made again). Every rank of the node may remove a file."""
+        self._swept = True
+        ours = {f"{self.slots.run}-rank{r}-" for r in self.node}
+        if self.placement is not None:
+            ours |= {f"{self.slots.run}-replica{p}-" for r in self.node
+                     for p in self.placement.sources(r)}  # fmt: skip
+        held, _ = replicas_lib.held_copies(self.slots.folder, self.slots.job, self.slots.run)
+        damaged = self.slots.damaged
+        paths = [f.path for f in self.slots.found(any_size=True) if f.world_size != self.world_size]
+        self.slots.damaged = damaged
+        for path in paths + [h.path for h in held if h.world_size != self.world_size]:
+            if path.name.rpartition("-")[0] + "-" not in ours:
+                with contextlib.suppress(OSError, ConfigError):
+                    fs.remove(path)
 
     def _before_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Before an optimizer step: the copies of the step before whole on the other nodes, so that
@@ -318,6 +286,7 @@ class MemoryStore:
             ) from err
         for text in result.damaged:
             _warn(f"a copy in memory arrived damaged and is not kept: {text}")
+        self._carried |= result.carried and not result.damaged and not result.stopped
         if result.stopped:
             self.enabled = False
             self._stop_copies()
@@ -338,43 +307,34 @@ class MemoryStore:
             self.courier = None
 
     def _choose_interval(self) -> Interval:
-        """Every ``N`` steps, the smallest ``N`` whose copy's own stall stays within
-        :data:`STALL_BUDGET` of a step and whose copies to other nodes (the waits for them, their
-        thread's CPU) within :data:`TRANSFER_BUDGET` (the first two saves, which map the slots, left
-        out), or the one given; the largest over the ranks, with the transfers' figures."""
+        """The interval of :func:`interval_of` for this rank's first saves, or the one given; the
+        largest over the ranks, with the transfers' figures."""
         self._tuned = True
-        median = lambda xs: sorted(xs)[len(xs) // 2] if xs else 0.0  # noqa: E731
-        stall = median(self.stalls[2:])
-        # a step: the time between two saves one step apart, less the save itself
-        gaps = [b - a - s for a, b, s in zip(self._starts[2:], self._starts[3:], self.stalls[2:])]
-        step = max(median(gaps), 1e-9) if gaps else 1.0
-        rounds = [r for r in self.rounds if not r.stopped]
-        cpu = median([r.cpu for r in rounds])
-        wanted = max(1, math.ceil(stall / (STALL_BUDGET * step)))
-        if self.placement is not None:  # the copy's own stall, and its copies to other nodes
-            own = median([s - w for s, w in zip(self.stalls[2:], self.waits[2:])])
-            copies = median(self.waits[2:]) + cpu
-            wanted = max(
-                1,
-                math.ceil(own / (STALL_BUDGET * step)),
-                math.ceil(copies / (TRANSFER_BUDGET * step)),
-            )
+        rounds = [r for r in self.rounds if r.carried and not r.stopped]
+        wanted, stall, step, cpu, cost = interval_of(
+            self._starts, self._sent, self.stalls, self.waits, [r.cpu for r in rounds],
+            copies=self.placement is not None, paired=self._paired,
+        )  # fmt: skip
         mine = {
             "wanted": float(self._fixed or wanted),
             "transfer": median([r.seconds for r in rounds]),
             "cpu": cpu,
+            "cost": cost,
             "bytes": float(max((r.sent for r in rounds), default=0)),
         }
         most = all_reduce(mine, op="max", group=self.group)
         return Interval(
             int(most["wanted"]), round(1e3 * stall, 3), round(1e3 * step, 3), self.replicas,
             int(most["bytes"]), round(1e3 * most["transfer"], 3), round(1e3 * most["cpu"], 3),
+            round(1e3 * most["cost"], 3),
         )  # fmt: skip
 
-    def _save(self, parts: Callable[[], Parts]) -> tuple[int, Any, Any]:
+    def _save(self, parts: Callable[[], Parts], keep: bool = True) -> tuple[int, Any, Any]:
         """The step's copy into the older slot: its step, what goes to the other nodes (None where
         nothing does; else the courier makes it) and the commit left to the courier (copies from a
-        GPU; None where the slot is whole already)."""
+        GPU; None where the slot is whole already). ``keep=False`` (a copy not sent to the other
+        nodes): the slot of the last one sent is not overwritten, so that one stays whole on this
+        node as on theirs."""
         step = parts()
         position, values = step.position, step.values
         plan = self._current_plan(step.strategy)
@@ -411,12 +371,14 @@ class MemoryStore:
         if any(t.is_cuda for t in plan.tensors):
             if self._stream is None:
                 self._stream = torch.cuda.Stream(plan.tensors[0].device)
-            commit = self.slots.save_from_device(values, tensors, self._manifest, key, self._stream)
+            commit = self.slots.save_from_device(
+                values, tensors, self._manifest, key, self._stream, keep
+            )
             if self.courier is None:  # the commit goes on beside the next step
                 self.courier = replicas_lib.Courier(None, self.rank, self.world_size, None, None)
                 self._watch_updates()
         else:
-            self.slots.save(values, tensors, self._manifest, key)
+            self.slots.save(values, tensors, self._manifest, key, keep)
         if self.placement is None:
             return position[1], None, commit
         if not self.own_part:  # zero, fsdp: the slot itself, as it was committed
@@ -495,22 +457,72 @@ class MemoryStore:
                 str(r): sorted(p for p in ps if p not in skipped) for r, ps in held.items()
             },
             "damaged": damaged if not skipped else [],
+            "sizes": self._other_sizes(),
         }
         offers: list[Any] = all_gather_object(offer, group=self.group)
         damaged = sorted({text for o in offers for text in o["damaged"]})
         if damaged and warn is not None:
             warn(f"ddpkit: skipping damaged snapshots in memory: {'; '.join(damaged)}")
-        choice = choose(offers, over_own=self.own_part)
-        if choice is None and self.placement is not None and warn is not None:
-            if (why := _uncovered(offers, self.replicas)) is not None:
+        # a course at another world size newer than this world's slots abandoned them (a job
+        # that shrank and grew back): none of them is taken
+        newer = max(
+            (p[1] for o in offers for held in o["sizes"].values() for kind in held.values()
+             for ps in kind.values() for p in ps),
+            default=-1,
+        )  # fmt: skip
+        choice = choose(offers, newer - 1, over_own=self.own_part)
+        if choice is None and self.own_part:
+            choice = choose_resized(offers, self.world_size)
+        if choice is None and warn is not None:
+            sizes = sorted({int(w) for o in offers for w in o["sizes"]})
+            if sizes and not self.own_part:
+                name = getattr(self._strategy, "name", "a sharding strategy")
+                warn(
+                    f"ddpkit: the copies in memory were taken on {' and '.join(map(str, sizes))} "
+                    f"ranks, this run has {self.world_size}: under {name!r} each holds its own "
+                    "shards of that world, which a resume from memory does not reshard; "
+                    "resuming from disk"
+                )
+            elif sizes and max(sizes) > self.world_size:
+                warn(
+                    f"ddpkit: the copies in memory were taken on {max(sizes)} ranks, and no step "
+                    "of them holds every rank's own part (a copy of it on another node: "
+                    "replicas=2 or more) with a slot on the node of every rank of this world; "
+                    "resuming from disk"
+                )
+            elif self.placement is not None and (why := uncovered(offers, self.replicas)):
                 warn(f"ddpkit: {why}; resuming from disk")
         return choice
+
+    def _other_sizes(self) -> dict[str, dict[str, dict[str, list[tuple[int, ...]]]]]:
+        """The positions of the whole slots and copies of own parts of this run this node holds
+        from other world sizes (a job restarted at another size keeps its old world's), by size,
+        kind (``slots``, ``parts``) and old rank."""
+        sizes: dict[str, dict[str, dict[str, list[tuple[int, ...]]]]] = {}
+
+        def add(size: int, kind: str, rank: int, position: tuple[int, ...]) -> None:
+            if size != self.world_size and position not in self._skipped:
+                held = sizes.setdefault(str(size), {"slots": {}, "parts": {}})[kind]
+                held.setdefault(str(rank), []).append(position)
+
+        damaged = self.slots.damaged  # what found() said of this world's slots stays said
+        for f in self.slots.found(any_size=True):
+            add(f.world_size, "slots", f.rank, f.position)
+        self.slots.damaged = damaged
+        held, _ = replicas_lib.held_copies(self.slots.folder, self.slots.job, self.slots.run)
+        for h in held:
+            if h.own_part:
+                add(h.world_size, "parts", h.rank, h.position)
+        return sizes
 
     def load_step(self, choice: Choice, strategy: Strategy, check: Check) -> Resumed:
         """The state at ``choice``, its tensors copied into ``strategy``'s, on every rank or none:
         :class:`~ddpkit.snapshot._state.Damaged` (every rank) when a rank found its copy damaged; a
         refusal of ``check`` on every rank."""
-        got, problems = self._read_everywhere(choice, strategy, check)
+        if choice.world_size is not None:
+            got, problems = self._read_resized(choice, strategy, check)
+        else:
+            got, problems = self._read_everywhere(choice, strategy, check)
         if got is None or problems:
             self._skipped.add(choice.position)
             raise Damaged("; ".join(problems))
@@ -525,12 +537,17 @@ class MemoryStore:
                     local(value).copy_(saved[path])
         for path, value in dynamic["strategy_values"]:
             set_at(state, path, value)
-        ranks: list[Any] = [None] * self.world_size
-        ranks[self.rank] = own  # the streams read only this rank's entry at the same world size
-        streams = {STREAMS_PART: {"world_size": self.world_size, "ranks": ranks}}
+        if choice.world_size is None:
+            ranks: list[Any] = [None] * self.world_size
+            ranks[self.rank] = own  # the streams read only this rank's entry at the same size
+            streams = {STREAMS_PART: {"world_size": self.world_size, "ranks": ranks}}
+        else:  # every old rank's, reseeded as from a disk snapshot of another world size
+            streams = {STREAMS_PART: {"world_size": choice.world_size, "ranks": own}}
         self.forget(keep=choice)
         source = "memory"
-        if choice.sources:
+        if choice.world_size is not None:
+            source += f" (taken on {choice.world_size} ranks)"
+        elif choice.sources:
             needy = [r for r, _ in choice.sources]
             holders = sorted({h for _, h in choice.sources})
             source += f" (ranks {needy} from rank{'s' * (len(holders) > 1)} "
@@ -547,15 +564,24 @@ class MemoryStore:
         in the copies held: a later restart never picks a slot of an abandoned course."""
         path = None
         if keep is not None:
-            path = self._own_path(keep.position)
+            path = self._own_path(keep.position, keep.world_size)
         self.slots.discard_except(path)
         if self.copies is not None:
             self.copies.discard_except(keep.position if keep is not None else None)
 
-    def _own_path(self, position: tuple[int, ...]) -> Path | None:
-        """This rank's whole slot at ``position``, if any."""
-        found = self.slots.found()
-        return next((f.path for f in found if f.rank == self.rank and f.position == position), None)
+    def _own_path(self, position: tuple[int, ...], size: int | None = None) -> Path | None:
+        """This rank's whole slot at ``position`` (taken at world size ``size``: this one where
+        None), if any."""
+        size = size or self.world_size
+        found = self.slots.found(any_size=size != self.world_size)
+        return next(
+            (
+                f.path
+                for f in found
+                if f.rank == self.rank and f.position == position and f.world_size == size
+            ),
+            None,
+        )
 
     def _read_everywhere(
         self, choice: Choice, strategy: Strategy, check: Check
@@ -578,6 +604,99 @@ class MemoryStore:
             if kind == "refused":
                 raise RuntimeError(text)
         return got, [text for _, text in filter(None, problems)]
+
+    def _read_resized(
+        self, choice: Choice, strategy: Strategy, check: Check
+    ) -> tuple[tuple[Any, Any, Any] | None, list[str]]:
+        """:meth:`_read_everywhere` of copies taken at another world size (``ddp``): the model and
+        optimizer from a slot of ``choice`` on this node (old rank 0's where it is here), the
+        per-rank part (buffers) old rank 0's as a disk snapshot's, and every old rank's own part
+        (its streams) from the rank that gives it (``choice.givers``; one all-gather). The third
+        of what it returns: the old ranks' own parts, in their order."""
+        size, position = choice.world_size, choice.position
+        assert size is not None
+        got, problem, given = None, None, {}
+        try:
+            found = [
+                f
+                for f in self.slots.found(any_size=True)
+                if f.world_size == size and f.position == position
+            ]
+            if not found:
+                raise slots_lib.BadSlot(f"no slot of step {choice.step} is left on its node")
+            reader = min(found, key=lambda f: f.rank)
+            got = self._read_slot(reader.path, strategy, check, size)
+            held, _ = replicas_lib.held_copies(self.slots.folder, self.slots.job, self.slots.run)
+            for rank in (r for r, giver in enumerate(choice.givers) if giver == self.rank):
+                whose = (rank, size, position, True)
+                copy = next(
+                    (h for h in held if (h.rank, h.world_size, h.position, h.own_part) == whose),
+                    None,
+                )
+                slot = next((f for f in found if f.rank == rank), None)
+                if copy is not None:
+                    name = f"the copy of rank {rank}'s own part in {copy.path}"
+                    part = _parsed(slots_lib.slot_bytes(copy.path), name, rank, position)
+                    if part is None:
+                        raise slots_lib.BadSlot(f"{name} changed while it was read")
+                    per_rank: dict[KeyPath, Any] = {}
+                    own = _own_part(part, per_rank)
+                elif slot is not None:
+                    saved, _, own = (
+                        got if slot is reader else self._read_slot(slot.path, strategy, check, size)
+                    )
+                    per_rank = {p: t for p, t in saved.items() if p[0] == PER_RANK}
+                else:
+                    raise slots_lib.BadSlot(f"rank {rank}'s own part of step {choice.step} went")
+                given[rank] = (own, per_rank if rank == 0 else None)
+        except slots_lib.BadSlot as err:
+            problem = ("damaged", f"rank {self.rank}: {err}")
+        except ConfigError as err:
+            problem = ("config", str(err))
+        except RuntimeError as err:
+            problem = ("refused", str(err))
+        except codec.MALFORMED as err:
+            problem = ("damaged", f"rank {self.rank}: its values are not a save's ({err})")
+        answers: list[Any] = all_gather_object((problem, given), group=self.group)
+        problems = [p for p, _ in answers if p is not None]
+        for kind, text in problems:
+            if kind == "config":
+                raise ConfigError(text)
+            if kind == "refused":
+                raise RuntimeError(text)
+        if got is None or problems:
+            return None, [text for _, text in problems]
+        saved, dynamic, _ = got
+        owns: list[Any] = [None] * size
+        for _, parts in answers:
+            for rank, (own, per_rank) in parts.items():
+                owns[rank] = own
+                if per_rank is None:
+                    continue
+                # old rank 0's, as a disk snapshot at another size gives (the same on every rank)
+                if missing := sorted({p for p in saved if p[0] == PER_RANK} - per_rank.keys()):
+                    name = ".".join(map(str, missing[0]))
+                    return None, [f"rank 0's own part of step {choice.step} holds no {name}"]
+                for path, tensor in per_rank.items():
+                    mine = saved.get(path)
+                    if mine is None or (mine.shape, mine.dtype) != (tensor.shape, tensor.dtype):
+                        name = ".".join(map(str, path))
+                        return None, [f"rank 0's own part of step {choice.step} holds no {name} "
+                                      "like the model's"]  # fmt: skip
+                    saved[path] = tensor
+        return (saved, dynamic, owns), []
+
+    def _read_slot(
+        self, path: Path, strategy: Strategy, check: Check, size: int
+    ) -> tuple[dict[KeyPath, torch.Tensor], dict[str, Any], Any]:
+        """A slot on this node taken at world size ``size``, read and checked (:meth:`_checked`)."""
+        got = slots_lib.read_slot(path, data=True)
+        if got is None:
+            raise slots_lib.BadSlot(f"{path} changed while it was read")
+        try:
+            return self._checked(strategy, check, *got, world_size=size)
+        except slots_lib.BadSlot as err:
+            raise slots_lib.BadSlot(f"{path}: {err}") from None
 
     def _read(self, choice: Choice, strategy: Strategy, check: Check) -> tuple[Any, Any, Any]:
         """The state at ``choice``, from this rank's slot or from a copy another rank holds
@@ -638,11 +757,13 @@ class MemoryStore:
         data: bytes,
         *,
         part: tuple[slots_lib.Record, dict, dict, bytes] | None = None,
+        world_size: int | None = None,
     ) -> tuple[dict[KeyPath, torch.Tensor], dict[str, Any], Any]:
         """The slot's tensors by path, its values and this rank's own part (from ``part``, a copy
-        of it, where given), checked against the run (``check``) and the strategy's state (every
-        tensor, its shape and dtype)."""
-        if values.get("run") != self.slots.run or values.get("world_size") != self.world_size:
+        of it, where given), checked against the run (``check``; a slot of ``world_size``, this
+        world's where None) and the strategy's state (every tensor, its shape and dtype)."""
+        size = world_size or self.world_size
+        if values.get("run") != self.slots.run or values.get("world_size") != size:
             raise RuntimeError("ddpkit: a memory snapshot of another run was offered; refusing it")
         tensors = slots_lib.tensors_of(data, record, manifest)
         n_plan, paths = manifest["n_plan"], manifest["paths"]
@@ -684,27 +805,6 @@ class MemoryStore:
                 "its values name a part of the state the model and optimizer do not have"
             )
         return saved, dynamic, own
-
-
-def _uncovered(offers: list[dict[str, Any]], copies: int) -> str | None:
-    """Why no position in memory holds every rank's state, where some rank holds one (more nodes
-    lost at once than the copies cover); None where memory holds nothing."""
-    newest = max((tuple(p) for o in offers for p in o["own"]), default=None)
-    if newest is None:
-        return None
-    missing = [
-        r
-        for r, o in enumerate(offers)
-        if list(newest) not in o["own"]
-        and not any(list(newest) in h["replicas"].get(str(r), []) for h in offers)
-    ]
-    if not missing:
-        return None
-    return (
-        f"no step in memory holds every rank's state: at step {newest[1]}, neither rank(s) "
-        f"{missing} nor a living rank holds theirs (more nodes lost at once than replicas="
-        f"{copies} covers)"
-    )
 
 
 def _parsed(

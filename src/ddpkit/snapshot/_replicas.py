@@ -150,19 +150,11 @@ class ReplicaFiles:
 
     def _position(self, values: dict[str, Any], source: int) -> tuple[int, ...] | None:
         """The position of a copy whose values are ``values``: None where they are another job's,
-        run's, world's or rank's. A job's key is its run id and its folder on the node that wrote
-        the slot: of a copy, the run id is compared (the folder it lies in is this job's)."""
-        ids = {"run": self.run, "rank": source, "world_size": self.world_size}
-        if any(values.get(k) != v for k, v in ids.items()):
+        run's, world's or rank's."""
+        got = _identity(values, self.job, self.run)
+        if got is None or got.rank != source or got.world_size != self.world_size:
             return None
-        if str(values.get("job")).rpartition(":")[0] != self.job.rpartition(":")[0]:
-            return None
-        position = values.get("position")
-        if not (isinstance(position, list) and len(position) == 3):
-            return None
-        if not all(type(p) is int for p in position) or position[1] != values.get("step"):
-            return None
-        return tuple(position)
+        return got.position
 
     def arriving(self, source: int, size: int) -> Arrival:
         """The place of ``source``'s next copy, of ``size`` bytes: the file that holds no whole
@@ -230,17 +222,62 @@ class ReplicaFiles:
                     fs.remove(copy.path)
 
 
+@dataclass(frozen=True)
+class Held:
+    """A whole copy of rank ``rank``'s state at ``position``, taken at ``world_size``, held in the
+    file ``path`` on this node; ``own_part``: of its own part alone (``ddp``)."""
+
+    path: Path
+    rank: int
+    world_size: int
+    position: tuple[int, ...]
+    own_part: bool = False
+
+
+def _identity(values: dict[str, Any], job: str, run: str, path: Path = Path()) -> Held | None:
+    """Whose copy a slot's ``values`` say it is, None where they are another job's or run's or do
+    not say. A job's key is its run id and its folder on the node that wrote the slot: of a copy,
+    the run id is compared (the folder it lies in is this job's)."""
+    rank, size, position = values.get("rank"), values.get("world_size"), values.get("position")
+    if values.get("run") != run or type(rank) is not int or type(size) is not int:
+        return None
+    if str(values.get("job")).rpartition(":")[0] != job.rpartition(":")[0]:
+        return None
+    if not (isinstance(position, list) and len(position) == 3 and 0 <= rank < size):
+        return None
+    if not all(type(p) is int for p in position) or position[1] != values.get("step"):
+        return None
+    return Held(path, rank, size, tuple(position), values.get("part") == "own")
+
+
+def held_copies(folder: Path, job: str, run: str) -> tuple[list[Held], list[str]]:
+    """Every whole copy of other ranks' states of ``run`` held in ``folder`` at any world size
+    (a job restarted at another size keeps its old world's copies), and what is wrong with the
+    whole ones left out."""
+    out, damaged = [], []
+    for path in sorted(folder.glob(f"{run}-replica*-*.slot")):
+        try:
+            got = slots_lib.read_slot(path)
+        except slots_lib.BadSlot as err:
+            damaged.append(str(err))
+            continue
+        if got is not None and (held := _identity(got[2], job, run, path)) is not None:
+            out.append(held)
+    return out, damaged
+
+
 # -- the transfer beside training ------------------------------------------------------------------
 
 
 @dataclass
 class Round:
-    """What one transfer did: the ``step`` it carried, its ``seconds``, the CPU seconds its thread
-    took (``cpu``) and the bytes this rank ``sent``; the ranks that ``stopped`` keeping copies
-    (memory full: every rank then stops), the copies that arrived ``damaged`` (not kept, named), an
-    ``error`` (a rank lost)."""
+    """What one transfer did: the ``step`` it carried (``carried``: False for a commit alone), its
+    ``seconds``, the CPU seconds its thread took (``cpu``) and the bytes this rank ``sent``; the
+    ranks that ``stopped`` keeping copies (memory full: every rank then stops), the copies that
+    arrived ``damaged`` (not kept, named), an ``error`` (a rank lost)."""
 
     step: int
+    carried: bool = True
     seconds: float = 0.0
     cpu: float = 0.0
     sent: int = 0
@@ -273,7 +310,7 @@ class Courier:
         self.partners = placement.partners[rank] if placement is not None else ()
         self.sources = placement.sources(rank) if placement is not None else []
         self.rank, self.world_size, self.group, self.files = rank, world_size, group, files
-        self._jobs: queue.SimpleQueue[tuple[int, Any, Any] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[int, Any, Any, bool] | None] = queue.SimpleQueue()
         self._results: queue.SimpleQueue[Round] = queue.SimpleQueue()
         self.in_flight: int | None = None
         """The step of the round submitted and not yet settled."""
@@ -281,14 +318,19 @@ class Courier:
         self._thread.start()
 
     def submit(
-        self, step: int, payload: Payload | None, commit: Callable[[], None] | None = None
+        self,
+        step: int,
+        payload: Payload | None,
+        commit: Callable[[], None] | None = None,
+        *,
+        send: bool = True,
     ) -> None:
         """After ``commit()`` (where given), send ``payload``, this rank's copy of ``step``,
         unchanged until the round is settled, in a round of its own; None: this rank stops keeping
-        copies."""
+        copies. ``send=False`` (on every rank alike): the commit alone, no round."""
         assert self.in_flight is None, "settle the round in flight first"
         self.in_flight = step
-        self._jobs.put((step, payload, commit))
+        self._jobs.put((step, payload, commit, send))
 
     def settle(self) -> Round | None:
         """The round in flight, once it ended (None where none is in flight)."""
@@ -305,13 +347,13 @@ class Courier:
 
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
-            step, payload, commit = job
-            result = Round(step)
+            step, payload, commit, send = job
+            result = Round(step, carried=send and self.placement is not None)
             t0, cpu0 = time.perf_counter(), time.thread_time()
             try:
                 if commit is not None:
                     commit()
-                if self.placement is not None:
+                if self.placement is not None and send:
                     self._round(result, payload() if callable(payload) else payload)
             except Exception as err:  # noqa: BLE001  (a rank lost: said where the step waits)
                 result.error = err

@@ -320,6 +320,7 @@ class Found:
     rank: int
     step: int
     position: tuple[int, ...]
+    world_size: int
 
 
 class _Slot:
@@ -366,6 +367,7 @@ class Slots:
         self.slots = [_Slot(self.folder / f"{run}-rank{rank}-{i}.slot") for i in (0, 1)]
         self.generation = 0
         self.last: _Slot | None = None  # the slot the last save committed
+        self.kept: _Slot | None = None  # the slot of the last save kept (not overwritten next)
         self.damaged: list[str] = []
         """What :meth:`found` last found wrong with whole slots it left out, naming each file."""
         for slot in self.slots:
@@ -378,8 +380,11 @@ class Slots:
                 self.generation = max(self.generation, got[0].end)
 
     def _target(self) -> _Slot:
-        """The slot to overwrite: not the newest whole one."""
+        """The slot to overwrite: not the one kept (:meth:`save`'s ``keep``) while it is whole,
+        else not the newest whole one."""
         whole = [s for s in self.slots if s.record is not None and s.record.whole]
+        if self.kept in whole:
+            return next(s for s in self.slots if s is not self.kept)
         if len(whole) < 2:
             return next(s for s in self.slots if s not in whole)
         return min(whole, key=lambda s: s.record.end if s.record is not None else 0)
@@ -390,11 +395,13 @@ class Slots:
         tensors: Sequence[torch.Tensor],
         manifest: dict[str, Any],
         layout_id: object,
+        keep: bool = True,
     ) -> None:
         """Commit ``tensors`` (laid out as ``manifest["specs"]``, named ``layout_id``) with the
         JSON-able ``values`` into the older slot; :class:`MemoryUnavailable` if memory is full.
-        :meth:`committed` then holds its bytes."""
-        slot, commit = self._begin(values, manifest, layout_id)
+        :meth:`committed` then holds its bytes. ``keep=False``: the slot of the last save kept
+        stays as it is (the next save overwrites this one's instead)."""
+        slot, commit = self._begin(values, manifest, layout_id, keep)
         copy_tensors(slot.dests, tensors)
         commit()
 
@@ -405,13 +412,14 @@ class Slots:
         manifest: dict[str, Any],
         layout_id: object,
         stream: Any,
+        keep: bool = True,
     ) -> Callable[[], None]:
         """:meth:`save` of tensors on a GPU, the host not held: the copies are queued on ``stream``
         (a CUDA stream) after the work queued so far, into the slot's pages pinned for the device
         (``cudaHostRegister``), and the current stream waits for them (the next step cannot change
         a tensor before its copy). Returns the commit, to call from any thread once: it waits for
         the copies, then checksums and commits as :meth:`save`."""
-        slot, commit = self._begin(values, manifest, layout_id)
+        slot, commit = self._begin(values, manifest, layout_id, keep)
         _pin(slot)
         current = torch.cuda.current_stream(stream.device)
         stream.wait_stream(current)
@@ -428,11 +436,13 @@ class Slots:
         return after_copies
 
     def _begin(
-        self, values: dict[str, Any], manifest: dict[str, Any], layout_id: object
+        self, values: dict[str, Any], manifest: dict[str, Any], layout_id: object, keep: bool = True
     ) -> tuple[_Slot, Callable[[], None]]:
         """The older slot, mapped for ``manifest`` and made not whole, and its commit: the
         checksums of its data, its values, then its record (``end`` last)."""
         slot = self._target()
+        if keep:
+            self.kept = slot
         ids = {"job": self.job, "run": self.run, "rank": self.rank, "world_size": self.world_size}
         value_bytes = json.dumps(ids | values).encode()
         if slot.layout_id != layout_id or len(value_bytes) > slot.values_capacity:
@@ -495,8 +505,9 @@ class Slots:
         slot.dests = views(slot.region, checked_specs(manifest["specs"], data_size))
         slot.record = None
 
-    def found(self) -> list[Found]:
-        """The whole slots of this run and job on this node, every rank's, at this world size."""
+    def found(self, any_size: bool = False) -> list[Found]:
+        """The whole slots of this run and job on this node, every rank's, at this world size
+        (``any_size``: at every world size)."""
         out, self.damaged = [], []
         for path in sorted(self.folder.glob(f"{self.run}-rank*-*.slot")):
             try:
@@ -509,12 +520,13 @@ class Slots:
             record, _, values, _ = got
             if values.get("job") != self.job or values.get("run") != self.run:
                 continue
-            if values.get("world_size") != self.world_size:
+            size = values.get("world_size")
+            if size != self.world_size and not (any_size and type(size) is int and size > 0):
                 continue
             rank, step, position = values.get("rank"), values.get("step"), values.get("position")
             if not (
                 type(rank) is int
-                and 0 <= rank < self.world_size
+                and 0 <= rank < size
                 and type(step) is int
                 and isinstance(position, list)
                 and len(position) == 3
@@ -523,11 +535,12 @@ class Slots:
             ):
                 self.damaged.append(f"{path}: its values do not say which rank and step it holds")
                 continue
-            out.append(Found(path, rank, step, tuple(position)))
+            out.append(Found(path, rank, step, tuple(position), size))
         return out
 
     def discard_except(self, keep: Path | None = None) -> None:
         """Make this rank's slots not whole, except ``keep`` (the state resumed from)."""
+        self.kept = None
         for slot in self.slots:
             if slot.path != keep:
                 unmake(slot.path)

@@ -185,7 +185,9 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     a = parse_args()
     if a.stall_budget is not None:
-        ddpkit.snapshot._memory.STALL_BUDGET = a.stall_budget
+        from ddpkit.snapshot import _interval
+
+        _interval.STALL_BUDGET = a.stall_budget
     rank = int(os.environ.get("RANK", "0"))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     Path(a.log, f"pid-rank{rank}-attempt{attempt}").write_text(str(os.getpid()))

@@ -147,7 +147,12 @@ def test_the_chosen_interval_bounds_the_steps_lost(tmp_path, memory_env, memory_
         "21",
     ]
     final, job = run(tmp_path, "auto", *args, env=memory_env)
-    events = job.events("memory_snapshots")
+    # the first attempt's choice first (its record moved aside where it is not before the step
+    # resumed from), then the one the resumed run made again
+    moved = tmp_path / "auto" / "metrics.rewound.jsonl"
+    rewound = list(map(json.loads, moved.read_text().splitlines())) if moved.exists() else []
+    events = [r for r in rewound if r.get("event") == "memory_snapshots"]
+    events = sorted(events + job.events("memory_snapshots"), key=lambda r: r["time"])
     every = events[0]["every_steps"]
     print(
         f"\nchosen: every {every} steps (stall {events[0]['stall_ms']} ms, step "

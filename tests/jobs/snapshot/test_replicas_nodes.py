@@ -61,14 +61,24 @@ class Job:
     serving the rendezvous), started on each; a node taken away and a new one started in its
     place."""
 
-    def __init__(self, tmp: Path, name: str, addr: str, port: int, nodes: list[str], *args: str):
+    def __init__(
+        self,
+        tmp: Path,
+        name: str,
+        addr: str,
+        port: int,
+        nodes: list[str],
+        *args: str,
+        launch: tuple[str, ...] = ("--nnodes", ""),
+    ):
         self.tmp, self.name, self.nodes = tmp, name, nodes
         self.log, self.hold = tmp / f"{name}-log", tmp / f"{name}-go"
         self.log.mkdir()
+        launch = tuple(a or str(len(nodes)) for a in launch)  # "": every node
         self.cmd = [
-            sys.executable, "-m", "ddpkit.cli", "run", "--nnodes", str(len(nodes)), "--nproc",
-            "1", "--max-restarts", "3", *IN_PLACE, "--rdzv-endpoint", f"{addr}:{port}", JOB,
-            str(tmp / name), "--log", str(self.log), "--out", str(tmp / f"{name}.pt"), *args,
+            sys.executable, "-m", "ddpkit.cli", "run", *launch, "--nproc", "1", "--max-restarts",
+            "3", *IN_PLACE, "--rdzv-endpoint", f"{addr}:{port}", JOB, str(tmp / name), "--log",
+            str(self.log), "--out", str(tmp / f"{name}.pt"), *args,
         ]  # fmt: skip
         # node 0 first, and the others once it serves the rendezvous: a node started in the same
         # namespace could serve it instead, and then be one of the nodes taken away
@@ -88,15 +98,18 @@ class Job:
 
         wait_until(check, 300, what=what)
 
-    def replace(self, *which: int) -> None:
+    def replace(self, *which: int, new: bool = True) -> None:
         """Take nodes ``which`` away (agent and workers SIGKILLed), start a new node in each
-        place."""
+        place (``new``; else the job goes on without them)."""
         for i in which:
             os.killpg(self.procs[i].pid, signal.SIGKILL)
             self.procs[i].wait()
         for i in which:
-            self.procs[i] = self._on(self.nodes[i], f"{self.started}")
-            self.started += 1
+            if new:
+                self.procs[i] = self._on(self.nodes[i], f"{self.started}")
+                self.started += 1
+        if not new:
+            self.procs = [p for i, p in enumerate(self.procs) if i not in which]
 
     def output(self, i: int) -> str:
         logs = sorted(self.tmp.glob(f"{self.name}-*.log"), key=os.path.getmtime)
@@ -119,11 +132,12 @@ def _reference(tmp: Path, nproc: int, *args: str) -> dict:
     return torch.load(tmp / "reference.pt", weights_only=False)
 
 
-def _lose_node_after_step(job: Job, step: int, *which: int) -> None:
-    """Every rank holds after ``step``; nodes ``which`` are taken away and new ones started."""
+def _lose_node_after_step(job: Job, step: int, *which: int, new: bool = True) -> None:
+    """Every rank holds after ``step``; nodes ``which`` are taken away and new ones started
+    (``new``)."""
     ranks = range(len(job.nodes))
     job.wait(lambda: all(steps_done(job.log, r) >= step for r in ranks), f"step {step}")
-    job.replace(*which)
+    job.replace(*which, new=new)
     job.hold.touch()
 
 
@@ -261,3 +275,37 @@ def test_two_of_three_nodes_lost_at_once_are_healed_from_three_copies(tmp_path, 
     (event,) = _records(tmp_path / "two", "recover")
     assert event["source"] == "none" and _same(final, reference)
     assert "more nodes lost at once than replicas=2 covers" in job.output(0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_a_node_lost_with_none_to_replace_it_goes_on_smaller_from_memory_as_from_disk(
+    tmp_path, nodes
+):
+    """Three nodes of one rank under ``ddp`` (the third a second agent in node a's namespace),
+    ``--nnodes 2:3``; node b lost after step 15 and no new node. Past ``--join-timeout`` the job
+    restarts on the two left and resumes from the copies in memory taken on three ranks (node b's
+    rank's own part from node c's copy of it), as from a disk snapshot of that step: bitwise. The
+    control, copies off, goes back to that disk snapshot."""
+    (ns_a, addr), (ns_b, _) = nodes
+    job_args = ("--strategy", "ddp", "--no-sync-bn", "--global-batch", "24")
+    # past torch's keep-alive (15 s), the lost node is out of the rendezvous the survivors form
+    launch = ("--nnodes", "2:3", "--join-timeout", "20", "--rdzv-conf", "last_call_timeout=2")
+    hold = ("--hold-after-step", "15", "--hold-file")
+
+    def lose_b(name: str, port: int, *extra: str) -> tuple[dict, Job]:
+        job = Job(tmp_path, name, addr, port, [ns_a, ns_b, ns_a], *job_args, *extra, *hold,
+                  str(tmp_path / f"{name}-go"), launch=launch)  # fmt: skip
+        _lose_node_after_step(job, 15, 1, new=False)
+        return job.finish(), job
+
+    final, job = lose_b("smaller", 29459)
+    (resumed,) = [r for r in _records(tmp_path / "smaller", "resume") if r["world_size"] == 2]
+    print(f"\nnode b of 3 lost after step 15, none to replace it: {resumed}")
+    assert resumed["file"] == "memory (taken on 3 ranks)" and resumed["step"] == 14
+    assert "resuming a 3-rank snapshot on 2 ranks" in job.output(0)
+    # Control and reference: copies off, a disk snapshot of step 14; the same loss resumes there.
+    reference, job = lose_b("disk", 29460, "--replicas", "1", "--disk-every-steps", "14")
+    (resumed,) = [r for r in _records(tmp_path / "disk", "resume") if r["world_size"] == 2]
+    assert resumed["file"].startswith("step-") and resumed["step"] == 14, resumed
+    assert _same(final, reference)

@@ -15,7 +15,7 @@ from ddpkit.snapshot import _codec as codec
 from ddpkit.snapshot import _slots as mf
 from ddpkit.snapshot import _slots as ms
 from ddpkit.snapshot import _slots as mslot
-from ddpkit.snapshot._memory import Choice, choose
+from ddpkit.snapshot._choice import Choice, choose
 from ddpkit.training._config import SnapshotConfig
 from tests.tmpfs import small_tmpfs
 from tests.unit.snapshot.slots import load, save, store

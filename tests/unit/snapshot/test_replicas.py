@@ -12,7 +12,8 @@ import torch
 from ddpkit.snapshot import _codec as codec
 from ddpkit.snapshot import _replicas as rl
 from ddpkit.snapshot import _slots as sl
-from ddpkit.snapshot._memory import Choice, choose
+from ddpkit.snapshot._choice import Choice, choose, choose_resized
+from ddpkit.snapshot._interval import interval_of
 from ddpkit.training._config import SnapshotConfig
 
 # -- where the copies go ---------------------------------------------------------------------------
@@ -121,6 +122,76 @@ def test_every_rank_agrees_on_one_holder_per_needy_rank_whatever_the_order_of_th
     assert choose([dict(o) for o in offers]) == choose(offers)
 
 
+def _sized(own=(), size=3, slots=None, parts=None):
+    """A rank's offer at a new world size: its own slots of it, and the slots and own parts of the
+    old world of ``size`` ranks its node holds (``{old rank: positions}``)."""
+    held = {"slots": slots or {}, "parts": parts or {}}
+    return {"own": [list(p) for p in own], "sizes": {str(size): held} if slots or parts else {}}
+
+
+def test_at_a_smaller_world_size_every_old_ranks_own_part_and_a_slot_on_each_node_are_needed():
+    # 3 ranks of one node each, copies on the next node; node 1 lost, the job on nodes 0 and 2:
+    # rank 0 (node 0) holds old rank 0's slots, rank 1 (node 2) old rank 2's and rank 1's own part
+    # of step 11 only (the transfer of 12 cut)
+    offers = [_sized(slots={0: [B, C]}), _sized(slots={2: [B, C]}, parts={1: [A, B]})]
+    assert choose_resized(offers, 2) == Choice(B, world_size=3, givers=(0, 1, 1))
+    # Control: without old rank 1's own part (copies off), no position: the disk.
+    assert choose_resized([_sized(slots={0: [B, C]}), _sized(slots={2: [B, C]})], 2) is None
+    # Control: a rank of this world whose node holds no slot would read the model from another
+    # node's memory: the disk (node 2 held rank 1's own part only).
+    assert choose_resized([_sized(slots={0: [B, C]}), _sized(parts={1: [B], 2: [B]})], 2) is None
+
+
+def test_copies_of_another_world_size_older_than_a_slot_of_this_one_are_passed_over():
+    # the job went on at 2 ranks and copied step 12 (rank 0 only: the other is lost again): the
+    # 3-rank copies of step 11 are of an abandoned course
+    offers = [_sized([C], slots={0: [B]}), _sized(slots={2: [B]}, parts={1: [B]})]
+    assert choose_resized(offers, 2) is None
+    # Control: the same copies with no slot of this world newer than them
+    offers = [_sized([A], slots={0: [B]}), _sized(slots={2: [B]}, parts={1: [B]})]
+    assert choose_resized(offers, 2) == Choice(B, world_size=3, givers=(0, 1, 1))
+    # the copies of this world's own size are choose()'s; a larger world's new ranks hold none
+    assert choose_resized([_sized(size=2, slots={0: [B], 1: [B]})] * 2, 2) is None
+    assert choose_resized([_sized(size=2, slots={0: [B], 1: [B]})] * 3, 3) is None
+
+
+def test_each_old_ranks_own_part_is_read_from_a_copy_first_and_spread_over_a_nodes_ranks():
+    # 2 nodes of 2 ranks to 1 node: its ranks 0 and 1 both see old ranks 0 and 1's slots and the
+    # copies of old ranks 2 and 3's own parts
+    offer = _sized(size=4, slots={0: [B], 1: [B]}, parts={2: [B], 3: [B]})
+    assert choose_resized([offer, offer], 2) == Choice(B, world_size=4, givers=(0, 1, 0, 1))
+    # a copy of old rank 1's own part on the node too: read instead of its slot
+    offer = _sized(size=4, slots={0: [B], 1: [B]}, parts={1: [B], 2: [B], 3: [B]})
+    assert choose_resized([offer, _sized(size=4, slots={0: [B]})], 2).givers == (0, 0, 0, 0)
+
+
+def _timings(hidden: float, n: int = 16) -> tuple[list[float], list[bool], list[float]]:
+    """The first ``n`` saves, every other one sent (the first too): a save of 0.1 ms and a step of
+    9.9 ms, and ``hidden`` seconds more in the cycles with a transfer beside the step."""
+    sent = [i % 2 == 0 for i in range(n)]
+    starts = [0.0]
+    for was in sent[:-1]:
+        starts.append(starts[-1] + 0.010 + (hidden if was else 0.0))
+    return starts, sent, [1e-4] * n
+
+
+def test_the_interval_counts_a_transfers_whole_cost_where_saves_are_paired():
+    # 1 ms a transfer costs the step, none of it in its wait, 0.1 ms in its thread's CPU
+    starts, sent, stalls = _timings(0.001)
+    figures = interval_of(starts, sent, stalls, [0.0] * 16, [1e-4] * 8, copies=True, paired=True)
+    wanted, _, step, cpu, cost = figures
+    assert step == pytest.approx(0.0099) and cost == pytest.approx(0.001) and cpu == 1e-4
+    assert wanted == 6  # 1 ms within 2% of 9.9 ms: one copy in 5.05 steps
+    # Control: unpaired, only the wait and the thread's CPU are seen: every step.
+    wanted, *_, cost = interval_of(starts, sent, stalls, [0.0] * 16, [1e-4] * 8, copies=True,
+                                   paired=False)  # fmt: skip
+    assert cost == pytest.approx(1e-4) and wanted == 1
+    # a wait counted in the stall is a cost too, paired or not; no copy to other nodes, no cost
+    waits = [0.002 if was else 0.0 for was in sent]
+    assert interval_of(starts, sent, stalls, waits, [0.0], copies=True, paired=False)[4] == 0.002
+    assert interval_of(starts, sent, stalls, waits, [0.0], copies=False, paired=False)[4] == 0.0
+
+
 # -- the files that hold the copies ----------------------------------------------------------------
 
 
@@ -226,6 +297,24 @@ def test_a_packed_slot_reads_back_with_its_values_and_tensors():
     assert again is not None
     part = codec.decode_blob(sl.tensors_of(again[3], again[0], again[1])[0].numpy().tobytes())
     assert torch.equal(part["own"]["rng"], torch.arange(4))
+
+
+def test_a_copy_not_sent_never_overwrites_the_slot_of_the_last_one_sent(tmp_path):
+    # while the interval is chosen, every other copy stays on its node: copies of steps 1 (sent),
+    # 2 (not), 3 (sent, its transfer in flight): this node still holds step 1, as the other nodes do
+    st = sl.Slots(tmp_path, job="id:a", run="run-a", rank=0, world_size=2)
+    tensors = [torch.arange(10.0)]
+    specs, size = codec.layout(tensors)
+    manifest = {"specs": [[s.dtype, list(s.shape), s.offset] for s in specs], "data_size": size}
+    for step, sent in ((1, True), (2, False), (3, True)):
+        st.save({"step": step, "position": [0, step, step]}, tensors, manifest, "l", keep=sent)
+    assert sorted(f.step for f in st.found()) == [1, 3]
+    # Control: every copy kept alike (sent, or not chosen), the older slot goes: steps 2 and 3.
+    (tmp_path / "all").mkdir()
+    st = sl.Slots(tmp_path / "all", job="id:a", run="run-a", rank=0, world_size=2)
+    for step in (1, 2, 3):
+        st.save({"step": step, "position": [0, step, step]}, tensors, manifest, "l")
+    assert sorted(f.step for f in st.found()) == [2, 3]
 
 
 def test_a_commit_left_to_another_thread_makes_the_slot_whole_only_then(tmp_path):
