@@ -626,29 +626,10 @@ class MemoryStore:
                 raise slots_lib.BadSlot(f"no slot of step {choice.step} is left on its node")
             reader = min(found, key=lambda f: f.rank)
             got = self._read_slot(reader.path, strategy, check, size)
-            held, _ = replicas_lib.held_copies(self.slots.folder, self.slots.job, self.slots.run)
             for rank in (r for r, giver in enumerate(choice.givers) if giver == self.rank):
-                whose = (rank, size, position, True)
-                copy = next(
-                    (h for h in held if (h.rank, h.world_size, h.position, h.own_part) == whose),
-                    None,
-                )
                 slot = next((f for f in found if f.rank == rank), None)
-                if copy is not None:
-                    name = f"the copy of rank {rank}'s own part in {copy.path}"
-                    part = _parsed(slots_lib.slot_bytes(copy.path), name, rank, position)
-                    if part is None:
-                        raise slots_lib.BadSlot(f"{name} changed while it was read")
-                    per_rank: dict[KeyPath, Any] = {}
-                    own = _own_part(part, per_rank)
-                elif slot is not None:
-                    saved, _, own = (
-                        got if slot is reader else self._read_slot(slot.path, strategy, check, size)
-                    )
-                    per_rank = {p: t for p, t in saved.items() if p[0] == PER_RANK}
-                else:
-                    raise slots_lib.BadSlot(f"rank {rank}'s own part of step {choice.step} went")
-                given[rank] = (own, per_rank if rank == 0 else None)
+                read = got if slot is reader else None
+                given[rank] = self._old_own_part(choice, rank, slot, read, strategy, check)
         except slots_lib.BadSlot as err:
             problem = ("damaged", f"rank {self.rank}: {err}")
         except ConfigError as err:
@@ -666,25 +647,38 @@ class MemoryStore:
                 raise RuntimeError(text)
         if got is None or problems:
             return None, [text for _, text in problems]
-        saved, dynamic, _ = got
-        owns: list[Any] = [None] * size
-        for _, parts in answers:
-            for rank, (own, per_rank) in parts.items():
-                owns[rank] = own
-                if per_rank is None:
-                    continue
-                # old rank 0's, as a disk snapshot at another size gives (the same on every rank)
-                if missing := sorted({p for p in saved if p[0] == PER_RANK} - per_rank.keys()):
-                    name = ".".join(map(str, missing[0]))
-                    return None, [f"rank 0's own part of step {choice.step} holds no {name}"]
-                for path, tensor in per_rank.items():
-                    mine = saved.get(path)
-                    if mine is None or (mine.shape, mine.dtype) != (tensor.shape, tensor.dtype):
-                        name = ".".join(map(str, path))
-                        return None, [f"rank 0's own part of step {choice.step} holds no {name} "
-                                      "like the model's"]  # fmt: skip
-                    saved[path] = tensor
-        return (saved, dynamic, owns), []
+        return _with_old_parts(got, [parts for _, parts in answers], size, choice.step)
+
+    def _old_own_part(
+        self,
+        choice: Choice,
+        rank: int,
+        slot: slots_lib.Found | None,
+        read: tuple[dict[KeyPath, Any], Any, Any] | None,
+        strategy: Strategy,
+        check: Check,
+    ) -> tuple[Any, dict[KeyPath, Any] | None]:
+        """Old rank ``rank``'s own part at ``choice`` and, for old rank 0, its per-rank tensors:
+        from a copy of it on this node, else from its ``slot`` here (``read`` where it was read)."""
+        size, position = choice.world_size, choice.position
+        assert size is not None
+        held, _ = replicas_lib.held_copies(self.slots.folder, self.slots.job, self.slots.run)
+        whose = (rank, size, position, True)
+        copies = [h for h in held if (h.rank, h.world_size, h.position, h.own_part) == whose]
+        copy = copies[0] if copies else None
+        if copy is not None:
+            name = f"the copy of rank {rank}'s own part in {copy.path}"
+            part = _parsed(slots_lib.slot_bytes(copy.path), name, rank, position)
+            if part is None:
+                raise slots_lib.BadSlot(f"{name} changed while it was read")
+            per_rank: dict[KeyPath, Any] = {}
+            own = _own_part(part, per_rank)
+        elif slot is not None:
+            saved, _, own = read or self._read_slot(slot.path, strategy, check, size)
+            per_rank = {p: t for p, t in saved.items() if p[0] == PER_RANK}
+        else:
+            raise slots_lib.BadSlot(f"rank {rank}'s own part of step {choice.step} went")
+        return own, per_rank if rank == 0 else None
 
     def _read_slot(
         self, path: Path, strategy: Strategy, check: Check, size: int
@@ -805,6 +799,35 @@ class MemoryStore:
                 "its values name a part of the state the model and optimizer do not have"
             )
         return saved, dynamic, own
+
+
+def _with_old_parts(
+    got: tuple[dict[KeyPath, Any], Any, Any],
+    given: list[dict[int, tuple[Any, dict[KeyPath, Any] | None]]],
+    size: int,
+    step: int,
+) -> tuple[tuple[Any, Any, Any] | None, list[str]]:
+    """A slot's state read at another world size with the old ranks' own parts ``given`` by every
+    rank: old rank 0's per-rank tensors in place of the slot's, as a disk snapshot at another size
+    gives them (the same on every rank), and every old rank's own part in order; else why not."""
+    saved, dynamic, _ = got
+    owns: list[Any] = [None] * size
+    for parts in given:
+        for rank, (own, per_rank) in parts.items():
+            owns[rank] = own
+            if per_rank is None:
+                continue
+            if missing := sorted({p for p in saved if p[0] == PER_RANK} - per_rank.keys()):
+                name = ".".join(map(str, missing[0]))
+                return None, [f"rank 0's own part of step {step} holds no {name}"]
+            for path, tensor in per_rank.items():
+                mine = saved.get(path)
+                if mine is None or (mine.shape, mine.dtype) != (tensor.shape, tensor.dtype):
+                    name = ".".join(map(str, path))
+                    why = f"rank 0's own part of step {step} holds no {name} like the model's"
+                    return None, [why]
+                saved[path] = tensor
+    return (saved, dynamic, owns), []
 
 
 def _parsed(

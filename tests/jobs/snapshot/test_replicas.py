@@ -369,6 +369,7 @@ def test_under_fsdp_copies_of_a_larger_world_are_named_and_the_disk_is_read(tmp_
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.torch_at_least(2, 7, "its fsdp job on the CPU")
 def test_a_damaged_copy_is_named_and_every_rank_passes_over_it(tmp_path, capfd):
     reference = _train(tmp_path, "reference", _roots(tmp_path, "reference"), "fsdp", 2, False)
     roots = _roots(tmp_path, "damaged")
