@@ -101,6 +101,16 @@ def choose_resized(offers: list[dict[str, Any]], world_size: int) -> Choice | No
     return best
 
 
+def newest_elsewhere(offers: list[dict[str, Any]]) -> int:
+    """The newest step of the slots and copies taken at another world size that any rank offers
+    (``offers[r]["sizes"]``, as :func:`choose_resized` reads them); -1 where there is none."""
+    return max(
+        (p[1] for o in offers for held in o["sizes"].values() for kind in held.values()
+         for ps in kind.values() for p in ps),
+        default=-1,
+    )  # fmt: skip
+
+
 def uncovered(offers: list[dict[str, Any]], copies: int) -> str | None:
     """Why no position in memory holds every rank's state, where some rank holds one (more nodes
     lost at once than the copies cover); None where memory holds nothing."""

@@ -34,7 +34,13 @@ from ddpkit.distributed._runtime import DEFAULT_TIMEOUT, Runtime
 from ddpkit.snapshot import _codec as codec
 from ddpkit.snapshot import _replicas as replicas_lib
 from ddpkit.snapshot import _slots as slots_lib
-from ddpkit.snapshot._choice import Choice, choose, choose_resized, uncovered
+from ddpkit.snapshot._choice import (
+    Choice,
+    choose,
+    choose_resized,
+    newest_elsewhere,
+    uncovered,
+)
 from ddpkit.snapshot._interval import TUNE_AFTER, Interval, interval_of, median
 from ddpkit.snapshot._state import (
     STREAMS_PART,
@@ -239,6 +245,15 @@ class MemoryStore:
         if len(self.stalls) >= 2 * KEPT_TIMES:  # a long run's: bounded
             del self.stalls[:KEPT_TIMES], self.waits[:KEPT_TIMES]
 
+    def _old_world(self) -> tuple[list[slots_lib.Found], list[replicas_lib.Held]]:
+        """The whole slots and copies of this run this node holds from other world sizes (a job
+        restarted at another size keeps its old world's)."""
+        damaged = self.slots.damaged  # what found() said of this world's slots stays said
+        found = [f for f in self.slots.found(any_size=True) if f.world_size != self.world_size]
+        self.slots.damaged = damaged
+        held, _ = replicas_lib.held_copies(self.slots.folder, self.slots.job, self.slots.run)
+        return found, [h for h in held if h.world_size != self.world_size]
+
     def _sweep_other_sizes(self) -> None:
         """Remove the slots and copies of this run at another world size this node holds, but
         those under a name this world's ranks of the node write (they overwrite them; one removed
@@ -248,11 +263,8 @@ class MemoryStore:
         if self.placement is not None:
             ours |= {f"{self.slots.run}-replica{p}-" for r in self.node
                      for p in self.placement.sources(r)}  # fmt: skip
-        held, _ = replicas_lib.held_copies(self.slots.folder, self.slots.job, self.slots.run)
-        damaged = self.slots.damaged
-        paths = [f.path for f in self.slots.found(any_size=True) if f.world_size != self.world_size]
-        self.slots.damaged = damaged
-        for path in paths + [h.path for h in held if h.world_size != self.world_size]:
+        found, held = self._old_world()
+        for path in [f.path for f in found] + [h.path for h in held]:
             if path.name.rpartition("-")[0] + "-" not in ours:
                 with contextlib.suppress(OSError, ConfigError):
                     fs.remove(path)
@@ -465,12 +477,7 @@ class MemoryStore:
             warn(f"ddpkit: skipping damaged snapshots in memory: {'; '.join(damaged)}")
         # a course at another world size newer than this world's slots abandoned them (a job
         # that shrank and grew back): none of them is taken
-        newer = max(
-            (p[1] for o in offers for held in o["sizes"].values() for kind in held.values()
-             for ps in kind.values() for p in ps),
-            default=-1,
-        )  # fmt: skip
-        choice = choose(offers, newer - 1, over_own=self.own_part)
+        choice = choose(offers, newest_elsewhere(offers) - 1, over_own=self.own_part)
         if choice is None and self.own_part:
             choice = choose_resized(offers, self.world_size)
         if choice is None and warn is not None:
@@ -496,23 +503,15 @@ class MemoryStore:
 
     def _other_sizes(self) -> dict[str, dict[str, dict[str, list[tuple[int, ...]]]]]:
         """The positions of the whole slots and copies of own parts of this run this node holds
-        from other world sizes (a job restarted at another size keeps its old world's), by size,
-        kind (``slots``, ``parts``) and old rank."""
+        from other world sizes (:meth:`_old_world`), by size, kind (``slots``, ``parts``) and old
+        rank."""
         sizes: dict[str, dict[str, dict[str, list[tuple[int, ...]]]]] = {}
-
-        def add(size: int, kind: str, rank: int, position: tuple[int, ...]) -> None:
-            if size != self.world_size and position not in self._skipped:
-                held = sizes.setdefault(str(size), {"slots": {}, "parts": {}})[kind]
-                held.setdefault(str(rank), []).append(position)
-
-        damaged = self.slots.damaged  # what found() said of this world's slots stays said
-        for f in self.slots.found(any_size=True):
-            add(f.world_size, "slots", f.rank, f.position)
-        self.slots.damaged = damaged
-        held, _ = replicas_lib.held_copies(self.slots.folder, self.slots.job, self.slots.run)
-        for h in held:
-            if h.own_part:
-                add(h.world_size, "parts", h.rank, h.position)
+        found, held = self._old_world()
+        for kind, items in (("slots", found), ("parts", [h for h in held if h.own_part])):
+            for x in items:
+                if x.position not in self._skipped:
+                    by_rank = sizes.setdefault(str(x.world_size), {"slots": {}, "parts": {}})[kind]
+                    by_rank.setdefault(str(x.rank), []).append(x.position)
         return sizes
 
     def load_step(self, choice: Choice, strategy: Strategy, check: Check) -> Resumed:
@@ -588,22 +587,8 @@ class MemoryStore:
     ) -> tuple[tuple[Any, Any, Any] | None, list[str]]:
         """This rank's read of ``choice`` and what every rank found wrong with its own (collective:
         all take the state or none does). A refusal (another run) is raised on every rank."""
-        got, problem = None, None
-        try:
-            got = self._read(choice, strategy, check)
-        except slots_lib.BadSlot as err:
-            problem = ("damaged", f"rank {self.rank}: {err}")
-        except ConfigError as err:
-            problem = ("config", str(err))
-        except RuntimeError as err:
-            problem = ("refused", str(err))
-        problems: list[Any] = all_gather_object(problem, group=self.group)
-        for kind, text in filter(None, problems):
-            if kind == "config":
-                raise ConfigError(text)
-            if kind == "refused":
-                raise RuntimeError(text)
-        return got, [text for _, text in filter(None, problems)]
+        got, problem = self._attempt(lambda: self._read(choice, strategy, check))
+        return got, _agreed(all_gather_object(problem, group=self.group))
 
     def _read_resized(
         self, choice: Choice, strategy: Strategy, check: Check
@@ -615,57 +600,62 @@ class MemoryStore:
         of what it returns: the old ranks' own parts, in their order."""
         size, position = choice.world_size, choice.position
         assert size is not None
-        got, problem, given = None, None, {}
-        try:
-            found = [
-                f
-                for f in self.slots.found(any_size=True)
-                if f.world_size == size and f.position == position
-            ]
+        given: dict[int, tuple[Any, dict[KeyPath, Any] | None]] = {}
+
+        def read() -> tuple[dict[KeyPath, Any], Any, Any]:
+            old, held = self._old_world()
+            found = [f for f in old if f.world_size == size and f.position == position]
             if not found:
                 raise slots_lib.BadSlot(f"no slot of step {choice.step} is left on its node")
             reader = min(found, key=lambda f: f.rank)
             got = self._read_slot(reader.path, strategy, check, size)
             for rank in (r for r, giver in enumerate(choice.givers) if giver == self.rank):
+                whose = (rank, size, position, True)
+                copy = next((h for h in held if (h.rank, h.world_size, h.position, h.own_part)
+                             == whose), None)  # fmt: skip
                 slot = next((f for f in found if f.rank == rank), None)
-                read = got if slot is reader else None
-                given[rank] = self._old_own_part(choice, rank, slot, read, strategy, check)
-        except slots_lib.BadSlot as err:
-            problem = ("damaged", f"rank {self.rank}: {err}")
-        except ConfigError as err:
-            problem = ("config", str(err))
-        except RuntimeError as err:
-            problem = ("refused", str(err))
-        except codec.MALFORMED as err:
-            problem = ("damaged", f"rank {self.rank}: its values are not a save's ({err})")
+                done = got if slot is reader else None
+                given[rank] = self._old_own_part(choice, rank, copy, slot, done, strategy, check)
+            return got
+
+        got, problem = self._attempt(read, malformed=True)
         answers: list[Any] = all_gather_object((problem, given), group=self.group)
-        problems = [p for p, _ in answers if p is not None]
-        for kind, text in problems:
-            if kind == "config":
-                raise ConfigError(text)
-            if kind == "refused":
-                raise RuntimeError(text)
+        problems = _agreed([p for p, _ in answers])
         if got is None or problems:
-            return None, [text for _, text in problems]
+            return None, problems
         return _with_old_parts(got, [parts for _, parts in answers], size, choice.step)
+
+    def _attempt(self, read: Callable[[], Any], malformed: bool = False) -> tuple[Any, Any]:
+        """``read()``, or None and what was wrong with it, as every rank is told (:func:`_agreed`):
+        a damaged slot, a refused config, another run's state (``malformed``: values no save
+        writes are damage too)."""
+        kinds = codec.MALFORMED if malformed else ()
+        try:
+            return read(), None
+        except slots_lib.BadSlot as err:
+            return None, ("damaged", f"rank {self.rank}: {err}")
+        except ConfigError as err:
+            return None, ("config", str(err))
+        except RuntimeError as err:
+            return None, ("refused", str(err))
+        except kinds as err:
+            return None, ("damaged", f"rank {self.rank}: its values are not a save's ({err})")
 
     def _old_own_part(
         self,
         choice: Choice,
         rank: int,
+        copy: replicas_lib.Held | None,
         slot: slots_lib.Found | None,
         read: tuple[dict[KeyPath, Any], Any, Any] | None,
         strategy: Strategy,
         check: Check,
     ) -> tuple[Any, dict[KeyPath, Any] | None]:
         """Old rank ``rank``'s own part at ``choice`` and, for old rank 0, its per-rank tensors:
-        from a copy of it on this node, else from its ``slot`` here (``read`` where it was read)."""
+        from a ``copy`` of it on this node, else from its ``slot`` here (``read`` where it was
+        read)."""
         size, position = choice.world_size, choice.position
         assert size is not None
-        held, _ = replicas_lib.held_copies(self.slots.folder, self.slots.job, self.slots.run)
-        whose = (rank, size, position, True)
-        copies = [h for h in held if (h.rank, h.world_size, h.position, h.own_part) == whose]
-        copy = copies[0] if copies else None
         if copy is not None:
             name = f"the copy of rank {rank}'s own part in {copy.path}"
             part = _parsed(slots_lib.slot_bytes(copy.path), name, rank, position)
@@ -799,6 +789,18 @@ class MemoryStore:
                 "its values name a part of the state the model and optimizer do not have"
             )
         return saved, dynamic, own
+
+
+def _agreed(problems: list[tuple[str, str] | None]) -> list[str]:
+    """What every rank found wrong with its read (:meth:`MemoryStore._attempt`): a refused
+    config or another run's state raised on every rank alike, else the damage named."""
+    found = [p for p in problems if p is not None]
+    for kind, text in found:
+        if kind == "config":
+            raise ConfigError(text)
+        if kind == "refused":
+            raise RuntimeError(text)
+    return [text for _, text in found]
 
 
 def _with_old_parts(

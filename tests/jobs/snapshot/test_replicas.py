@@ -143,8 +143,8 @@ def _trainer_job(
     return final
 
 
-def _roots(tmp: Path, name: str) -> list[str]:
-    roots = [tmp / name / f"node{r}" for r in range(2)]
+def _roots(tmp: Path, name: str, nodes: int = 2) -> list[str]:
+    roots = [tmp / name / f"node{r}" for r in range(nodes)]
     for root in roots:
         (root / MEMORY).mkdir(parents=True)
     return [str(r) for r in roots]
@@ -304,9 +304,7 @@ def test_a_lost_nodes_ranks_resume_from_memory_at_the_smaller_world_size_as_from
     broadcast: each rank's BatchNorm statistics are its own, and the disk gives every rank old
     rank 0's (from its copy where node 0 is the one lost)."""
     own = {"options": {"broadcast_buffers": False}}
-    roots = [str(tmp_path / "lost" / f"node{r}") for r in range(3)]
-    for root in roots:
-        Path(root, MEMORY).mkdir(parents=True)
+    roots = _roots(tmp_path, "lost", 3)
     lost = functools.partial(_trainer_job, roots, str(tmp_path / "lost"), "ddp", 2, **own)
     with pytest.raises(Exception, match="planned failure"):
         run_on_ranks(functools.partial(lost, True), 3, env=_as_nodes(roots))
@@ -323,9 +321,7 @@ def test_a_lost_nodes_ranks_resume_from_memory_at_the_smaller_world_size_as_from
     assert [p.name for r in left for p in Path(roots[r], MEMORY).glob("*.slot")] == []
     # The reference: a disk snapshot of the same step, taken on three ranks, resumed on two.
     step = event["step"]
-    disk = [str(tmp_path / "disk" / f"node{r}") for r in range(3)]
-    for root in disk:
-        Path(root, MEMORY).mkdir(parents=True)
+    disk = _roots(tmp_path, "disk", 3)
     job = functools.partial(_trainer_job, disk, str(tmp_path / "disk"), "ddp", 1, False, **own)
     _on(disk, functools.partial(job, steps=step), 3)
     reference = _on([disk[r] for r in left], job, 2)
@@ -337,9 +333,7 @@ def test_a_lost_nodes_ranks_resume_from_memory_at_the_smaller_world_size_as_from
     assert differs == {0: [], 1: []}, differs  # each rank's own state: streams, buffers
     # Control: without copies on other nodes, the lost rank's own part (its streams, its buffers)
     # went with its node: back to the disk (none: the start).
-    roots = [str(tmp_path / "none" / f"node{r}") for r in range(3)]
-    for root in roots:
-        Path(root, MEMORY).mkdir(parents=True)
+    roots = _roots(tmp_path, "none", 3)
     none = functools.partial(_trainer_job, roots, str(tmp_path / "none"), "ddp", 1, **own)
     with pytest.raises(Exception, match="planned failure"):
         run_on_ranks(functools.partial(none, True), 3, env=_as_nodes(roots))
@@ -351,9 +345,7 @@ def test_a_lost_nodes_ranks_resume_from_memory_at_the_smaller_world_size_as_from
 @pytest.mark.timeout(600)
 @pytest.mark.torch_at_least(2, 7, "its fsdp job on the CPU")
 def test_under_fsdp_copies_of_a_larger_world_are_named_and_the_disk_is_read(tmp_path, capfd):
-    roots = [str(tmp_path / "fsdp" / f"node{r}") for r in range(3)]
-    for root in roots:
-        Path(root, MEMORY).mkdir(parents=True)
+    roots = _roots(tmp_path, "fsdp", 3)
     job = functools.partial(_trainer_job, roots, str(tmp_path / "fsdp"), "fsdp", 2)
     with pytest.raises(Exception, match="planned failure"):
         run_on_ranks(functools.partial(job, True), 3, env=_as_nodes(roots))
