@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from ddpkit._launch.agent import jobdir
+from ddpkit.snapshot import _folders as folders
 from ddpkit.testing import read_records, run_job, wait_until
 from tests.jobs.launch import netns
 from tests.jobs.snapshot.memory_jobs import pids, steps_done
@@ -132,11 +133,17 @@ def _reference(tmp: Path, nproc: int, *args: str) -> dict:
     return torch.load(tmp / "reference.pt", weights_only=False)
 
 
-def _lose_node_after_step(job: Job, step: int, *which: int, new: bool = True) -> None:
+def _lose_node_after_step(
+    job: Job, step: int, *which: int, new: bool = True, written: int | None = None
+) -> None:
     """Every rank holds after ``step``; nodes ``which`` are taken away and new ones started
-    (``new``)."""
+    (``new``). With ``written``, not before the disk snapshot of that step, written in the
+    background while the ranks go on, is whole."""
     ranks = range(len(job.nodes))
     job.wait(lambda: all(steps_done(job.log, r) >= step for r in ranks), f"step {step}")
+    if written is not None:
+        marker = job.tmp / job.name / "snapshots" / folders.folder_name(written) / folders.MARKER
+        job.wait(marker.exists, f"the disk snapshot of step {written}")
     job.replace(*which, new=new)
     job.hold.touch()
 
@@ -293,10 +300,10 @@ def test_a_node_lost_with_none_to_replace_it_goes_on_smaller_from_memory_as_from
     launch = ("--nnodes", "2:3", "--join-timeout", "20", "--rdzv-conf", "last_call_timeout=2")
     hold = ("--hold-after-step", "15", "--hold-file")
 
-    def lose_b(name: str, port: int, *extra: str) -> tuple[dict, Job]:
+    def lose_b(name: str, port: int, *extra: str, written: int | None = None) -> tuple[dict, Job]:
         job = Job(tmp_path, name, addr, port, [ns_a, ns_b, ns_a], *job_args, *extra, *hold,
                   str(tmp_path / f"{name}-go"), launch=launch)  # fmt: skip
-        _lose_node_after_step(job, 15, 1, new=False)
+        _lose_node_after_step(job, 15, 1, new=False, written=written)
         return job.finish(), job
 
     final, job = lose_b("smaller", 29459)
@@ -305,7 +312,9 @@ def test_a_node_lost_with_none_to_replace_it_goes_on_smaller_from_memory_as_from
     assert resumed["file"] == "memory (taken on 3 ranks)" and resumed["step"] == 14
     assert "resuming a 3-rank snapshot on 2 ranks" in job.output(0)
     # Control and reference: copies off, a disk snapshot of step 14; the same loss resumes there.
-    reference, job = lose_b("disk", 29460, "--replicas", "1", "--disk-every-steps", "14")
+    # (the loss waits for that snapshot, written in the background, to be whole)
+    disk = ("--replicas", "1", "--disk-every-steps", "14")
+    reference, job = lose_b("disk", 29460, *disk, written=14)
     (resumed,) = [r for r in _records(tmp_path / "disk", "resume") if r["world_size"] == 2]
     assert resumed["file"].startswith("step-") and resumed["step"] == 14, resumed
     assert _same(final, reference)
