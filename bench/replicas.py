@@ -24,7 +24,8 @@ Reported: the ``recover`` record's phases, from the new node's start (its ``ddpk
 worker's process) to the first step after, the steps lost, and from the kill to the first step and
 to step 25 done again. Target: the first step at most 2 s after the new node's start.
 
-``--part smaller``: three such agents, ``--nnodes 2:3``, the transformer under ``ddp``; node b is
+``--part smaller``: three such agents, ``--nnodes 2:3``, the transformer under ``ddp``, ``fsdp``
+and ``zero`` (``--smaller``), the same global batch at every world size; node b is
 SIGKILLed after step 25 and none replaces it: past ``--join-timeout`` (20 s here) the job restarts
 on the two left and resumes from the old world's copies in memory (``replicas=2``), or from the
 disk snapshot of step 20 (``replicas=1``). Reported: the steps lost, from the kill to the first
@@ -250,8 +251,12 @@ class StepTimes:
             time.sleep(0.01)
 
 
-def recovery_job(run_dir: str, stamps: str, replicas: int, strategy: str = "fsdp") -> None:
-    """A node's worker: the transformer under ``strategy``, a copy in memory every step."""
+def recovery_job(
+    run_dir: str, stamps: str, replicas: int, strategy: str = "fsdp", global_batch: int = 0
+) -> None:
+    """A node's worker: the transformer under ``strategy``, a copy in memory every step;
+    ``global_batch``: the same at every world size (the smaller part's), else the model's batch on
+    each rank."""
     from ddpkit.training._config import LoggingConfig, SnapshotConfig
     from ddpkit.training._trainer import Trainer, TrainerConfig
 
@@ -262,8 +267,8 @@ def recovery_job(run_dir: str, stamps: str, replicas: int, strategy: str = "fsdp
     loader_overhead = _sibling("loader_overhead")
     torch.manual_seed(0)
     net, data, loss_fn, batch, _ = loader_overhead.model_case("transformer", STEPS * 64)
-    # the smaller part's ddp job goes from 3 ranks to 2 with the same global batch (24)
-    sizes = {"global_batch_size": 24} if strategy == "ddp" else {"batch_size": batch}
+    # the smaller part's job goes from 3 ranks to 2 with the same global batch
+    sizes = {"global_batch_size": global_batch} if global_batch else {"batch_size": batch}
     config = TrainerConfig(
         run_dir=run_dir, **sizes, epochs=1, max_steps=STEPS, num_workers=0, strategy=strategy,
         snapshot=SnapshotConfig(every_steps=DISK_EVERY, every_epochs=0, memory=True,
@@ -418,10 +423,10 @@ def part_recovery(a: argparse.Namespace) -> None:
 JOIN_TIMEOUT = 20
 
 
-def _lose_node_for_good(root: Path, replicas: int, i: int) -> dict:
-    """Three nodes of one rank under ``ddp``, ``--nnodes 2:3``; node b lost after step
+def _lose_node_for_good(root: Path, strategy: str, replicas: int, i: int) -> dict:
+    """Three nodes of one rank under ``strategy``, ``--nnodes 2:3``; node b lost after step
     :data:`HOLD_STEP` and none started: the job goes on at two ranks."""
-    name = f"smaller-{replicas}-{i}"
+    name = f"smaller-{strategy}-{replicas}-{i}"
     run_dir, stamps, shm = root / f"run-{name}", root / f"stamps-{name}", root / "shm"
     for folder in (stamps, shm):
         folder.mkdir(exist_ok=True)
@@ -430,7 +435,7 @@ def _lose_node_for_good(root: Path, replicas: int, i: int) -> dict:
            "--max-restarts", "3", "--recover", "in-place", "--join-timeout", str(JOIN_TIMEOUT),
            "--rdzv-conf", "last_call_timeout=2", "--rdzv-endpoint", f"127.0.0.1:{port}",
            str(Path(__file__).resolve()), "--job", str(run_dir), str(stamps), str(replicas),
-           "ddp"]  # fmt: skip
+           strategy, "24"]  # fmt: skip
 
     def node(label: str) -> subprocess.Popen:
         log = open(root / f"{name}-{label}.log", "w")  # noqa: SIM115
@@ -468,29 +473,30 @@ def _lose_node_for_good(root: Path, replicas: int, i: int) -> dict:
 
 def part_smaller(a: argparse.Namespace) -> None:
     root = Path(tempfile.mkdtemp(prefix="replicas-smaller-"))
-    cases = {"memory": 2, "disk": 1}
-    results: dict[str, list[dict]] = {case: [] for case in cases}
+    cases = [(strategy, copies) for strategy in a.smaller.split(",") for copies in (2, 1)]
+    results: dict[tuple[str, int], list[dict]] = {case: [] for case in cases}
     try:
         for i in range(a.repeats):
-            for case in list(cases) if i % 2 == 0 else list(cases)[::-1]:
-                results[case].append(_lose_node_for_good(root, cases[case], i))
+            for case in cases if i % 2 == 0 else cases[::-1]:
+                results[case].append(_lose_node_for_good(root, *case, i))
     finally:
         if not a.keep:
             shutil.rmtree(root, ignore_errors=True)
-    print(f"\n## a lost node and none to replace it: ddp, the transformer, 3 nodes of 1 rank, "
+    print(f"\n## a lost node and none to replace it: the transformer, 3 nodes of 1 rank, "
           f"--nnodes 2:3, --join-timeout {JOIN_TIMEOUT}; node b SIGKILLed after step {HOLD_STEP}, "
           f"a disk snapshot every {DISK_EVERY} steps; {a.repeats} runs each, medians\n"
           )  # fmt: skip
-    print("| resumed from | at | steps lost | kill to first step at 2 ranks | new workers' start "
-          "to first step |")  # fmt: skip
-    print("|---|---|---|---|---|")
-    for case, rs in results.items():
+    print("| strategy | replicas | resumed from | at | steps lost | kill to first step at 2 ranks "
+          "| new workers' start to first step |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for (strategy, copies), rs in results.items():
 
         def med(key: str, rs: list[dict] = rs) -> float:
             return statistics.median(r[key] for r in rs)
 
-        print(f"| {case}: `{rs[0]['source']}` | {med('resumed'):.0f} | {med('lost'):.0f} | "
-              f"{med('kill_to_first'):.2f} s | {med('from_new_worker'):.2f} s |")  # fmt: skip
+        print(f"| {strategy} | {copies} | `{rs[0]['source']}` | {med('resumed'):.0f} | "
+              f"{med('lost'):.0f} | {med('kill_to_first'):.2f} s | {med('from_new_worker'):.2f} s "
+              "|")  # fmt: skip
 
 
 # -- scale: a round's cost and the restore's agreement as the world grows --------------------------
@@ -651,7 +657,8 @@ def _plan_at(world: int, per_node: int) -> float:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--job":
-        recovery_job(sys.argv[2], sys.argv[3], int(sys.argv[4]), *sys.argv[5:6])
+        recovery_job(sys.argv[2], sys.argv[3], int(sys.argv[4]), *sys.argv[5:6],
+                     *map(int, sys.argv[6:7]))  # fmt: skip
         return
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--part", choices=("steps", "recovery", "smaller", "scale", "device", "all"),
@@ -663,6 +670,7 @@ def main() -> None:
     p.add_argument("--cases", default="cnn:fsdp,transformer:fsdp,cnn:ddp,transformer:ddp",
                    help="model:strategy pairs of the steps part")  # fmt: skip
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--smaller", default="ddp,fsdp,zero", help="the smaller part's strategies")
     p.add_argument("--sizes", default="2,4,8,16")
     p.add_argument("--mib", type=float, default=4.0)
     p.add_argument("--scale-rounds", type=int, default=6)

@@ -20,14 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
 from ddpkit._internals.modules import buffer_slots
 from ddpkit.distributed import Group
 from ddpkit.distributed._collectives import (
     all_gather_object,
     all_reduce,
-    tensor_bytes,
 )
 from ddpkit.distributed._environment import read_launch_env
 from ddpkit.distributed._runtime import DEFAULT_TIMEOUT, Runtime
@@ -37,11 +35,13 @@ from ddpkit.snapshot import _slots as slots_lib
 from ddpkit.snapshot._choice import (
     Choice,
     choose,
+    choose_resharded,
     choose_resized,
     newest_elsewhere,
     uncovered,
 )
 from ddpkit.snapshot._interval import TUNE_AFTER, Interval, interval_of, median
+from ddpkit.snapshot._resized import Box, OldWorld, box_of, checked_boxes, local
 from ddpkit.snapshot._state import (
     STREAMS_PART,
     Check,
@@ -49,6 +49,7 @@ from ddpkit.snapshot._state import (
     KeyPath,
     Parts,
     Resumed,
+    agreed,
     leaves,
     set_at,
 )
@@ -57,13 +58,6 @@ from ddpkit.strategies._prepare import unwrap
 
 KEPT_TIMES = 4096
 """Saves whose times a store keeps, at least (:attr:`MemoryStore.stalls`)."""
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a (possibly sharded) tensor of a strategy's state."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _warn(message: str) -> None:
@@ -159,7 +153,8 @@ class MemoryStore:
         self._layout: tuple[Any, ...] | None = None
         self._manifest: dict[str, Any] | None = None
         self._check: Any = None
-        self._skipped: set[tuple[int, ...]] = set()
+        self.skipped: set[tuple[int, ...]] = set()
+        """The positions some rank found damaged: never offered again."""
         self.stalls: list[float] = []
         """Seconds each save held the training loop: its copy, and the wait for its transfer (the
         newest :data:`KEPT_TIMES` to twice as many)."""
@@ -174,6 +169,7 @@ class MemoryStore:
         self.copies: replicas_lib.ReplicaFiles | None = None
         self.courier: replicas_lib.Courier | None = None
         self._strategy = strategy
+        self.old_world = OldWorld(self)
         self._hooks: list[Any] = []
         self._stream: Any = None  # the side stream of copies from a GPU
         if placement is not None:
@@ -223,7 +219,8 @@ class MemoryStore:
             self._sent.append(send and self.courier is not None)
         waited = self._settle()  # the copy before whole everywhere (mostly settled by the step)
         if not self._swept and (self._carried if self.placement is not None else self._calls > 1):
-            self._sweep_other_sizes()  # this world holds a whole copy of its own
+            self._swept = True  # this world holds a whole copy of its own
+            self.old_world.sweep()
         step, payload, commit = -1, None, None
         if self.enabled:
             try:
@@ -244,30 +241,6 @@ class MemoryStore:
         self.waits.append(waited)
         if len(self.stalls) >= 2 * KEPT_TIMES:  # a long run's: bounded
             del self.stalls[:KEPT_TIMES], self.waits[:KEPT_TIMES]
-
-    def _old_world(self) -> tuple[list[slots_lib.Found], list[replicas_lib.Held]]:
-        """The whole slots and copies of this run this node holds from other world sizes (a job
-        restarted at another size keeps its old world's)."""
-        damaged = self.slots.damaged  # what found() said of this world's slots stays said
-        found = [f for f in self.slots.found(any_size=True) if f.world_size != self.world_size]
-        self.slots.damaged = damaged
-        held, _ = replicas_lib.held_copies(self.slots.folder, self.slots.job, self.slots.run)
-        return found, [h for h in held if h.world_size != self.world_size]
-
-    def _sweep_other_sizes(self) -> None:
-        """Remove the slots and copies of this run at another world size this node holds, but
-        those under a name this world's ranks of the node write (they overwrite them; one removed
-        could be one a rank has just made again). Every rank of the node may remove a file."""
-        self._swept = True
-        ours = {f"{self.slots.run}-rank{r}-" for r in self.node}
-        if self.placement is not None:
-            ours |= {f"{self.slots.run}-replica{p}-" for r in self.node
-                     for p in self.placement.sources(r)}  # fmt: skip
-        found, held = self._old_world()
-        for path in [f.path for f in found] + [h.path for h in held]:
-            if path.name.rpartition("-")[0] + "-" not in ours:
-                with contextlib.suppress(OSError, ConfigError):
-                    fs.remove(path)
 
     def _before_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Before an optimizer step: the copies of the step before whole on the other nodes, so that
@@ -372,6 +345,7 @@ class MemoryStore:
                     "paths": [list(p) for p in plan.paths],
                     "own": plan.own,
                     "n_plan": len(plan.tensors),
+                    "boxes": [[list(part) for part in box] for box in plan.boxes],
                     "specs": [[s.dtype, list(s.shape), s.offset] for s in specs],
                     "data_size": size,
                     "check": self._check,
@@ -418,11 +392,12 @@ class MemoryStore:
         state = strategy.state_dict()
         watch = _Watch(strategy)
         storages = {local(t).untyped_storage().data_ptr() for t in watch.live()}
-        paths, tensors, own, values = [], [], [], []
+        paths, tensors, own, values, boxes = [], [], [], [], []
         for path, value in leaves(state):
             if isinstance(value, torch.Tensor):
                 paths.append(path)
                 tensors.append(local(value))
+                boxes.append(box_of(value))
                 own.append(path[0] == PER_RANK)
             else:
                 values.append((path, value))
@@ -435,7 +410,8 @@ class MemoryStore:
         fixed = all(p == (UNSTEPPED,) for p, _ in kept)
         ident = plan.ident + 1 if plan else 0
         signature = watch.signature()
-        self._plan = _Plan(paths, tensors, own, kept, aliases and fixed, watch, signature, ident)
+        reusable = aliases and fixed
+        self._plan = _Plan(paths, tensors, own, kept, boxes, reusable, watch, signature, ident)
         return self._plan
 
     def wait(self) -> None:
@@ -459,7 +435,7 @@ class MemoryStore:
     def latest(self, warn: Callable[[str], None] | None = None) -> Choice | None:
         """Where every rank can resume from memory, the newest position not passed over
         (collective); whole slots that do not check are left out, named through ``warn`` once."""
-        skipped = self._skipped
+        skipped = self.skipped
         found = [f for f in self.slots.found() if f.position not in skipped]
         held = self.copies.found() if self.copies is not None else {}
         damaged = self.slots.damaged + (self.copies.damaged if self.copies is not None else [])
@@ -469,7 +445,7 @@ class MemoryStore:
                 str(r): sorted(p for p in ps if p not in skipped) for r, ps in held.items()
             },
             "damaged": damaged if not skipped else [],
-            "sizes": self._other_sizes(),
+            "sizes": self.old_world.offer(),
         }
         offers: list[Any] = all_gather_object(offer, group=self.group)
         damaged = sorted({text for o in offers for text in o["damaged"]})
@@ -478,17 +454,18 @@ class MemoryStore:
         # a course at another world size newer than this world's slots abandoned them (a job
         # that shrank and grew back): none of them is taken
         choice = choose(offers, newest_elsewhere(offers) - 1, over_own=self.own_part)
-        if choice is None and self.own_part:
-            choice = choose_resized(offers, self.world_size)
+        if choice is None:
+            resized = choose_resized if self.own_part else choose_resharded
+            choice = resized(offers, self.world_size)
         if choice is None and warn is not None:
             sizes = sorted({int(w) for o in offers for w in o["sizes"]})
             if sizes and not self.own_part:
                 name = getattr(self._strategy, "name", "a sharding strategy")
                 warn(
                     f"ddpkit: the copies in memory were taken on {' and '.join(map(str, sizes))} "
-                    f"ranks, this run has {self.world_size}: under {name!r} each holds its own "
-                    "shards of that world, which a resume from memory does not reshard; "
-                    "resuming from disk"
+                    f"ranks, this run has {self.world_size}: under {name!r} no step of them has "
+                    "every old rank's shards (its slot, or a copy of it on another node: "
+                    "replicas=2 or more) on a node left; resuming from disk"
                 )
             elif sizes and max(sizes) > self.world_size:
                 warn(
@@ -501,29 +478,16 @@ class MemoryStore:
                 warn(f"ddpkit: {why}; resuming from disk")
         return choice
 
-    def _other_sizes(self) -> dict[str, dict[str, dict[str, list[tuple[int, ...]]]]]:
-        """The positions of the whole slots and copies of own parts of this run this node holds
-        from other world sizes (:meth:`_old_world`), by size, kind (``slots``, ``parts``) and old
-        rank."""
-        sizes: dict[str, dict[str, dict[str, list[tuple[int, ...]]]]] = {}
-        found, held = self._old_world()
-        for kind, items in (("slots", found), ("parts", [h for h in held if h.own_part])):
-            for x in items:
-                if x.position not in self._skipped:
-                    by_rank = sizes.setdefault(str(x.world_size), {"slots": {}, "parts": {}})[kind]
-                    by_rank.setdefault(str(x.rank), []).append(x.position)
-        return sizes
-
     def load_step(self, choice: Choice, strategy: Strategy, check: Check) -> Resumed:
         """The state at ``choice``, its tensors copied into ``strategy``'s, on every rank or none:
         :class:`~ddpkit.snapshot._state.Damaged` (every rank) when a rank found its copy damaged; a
         refusal of ``check`` on every rank."""
         if choice.world_size is not None:
-            got, problems = self._read_resized(choice, strategy, check)
+            got, problems = self.old_world.read(choice, strategy, check)
         else:
             got, problems = self._read_everywhere(choice, strategy, check)
         if got is None or problems:
-            self._skipped.add(choice.position)
+            self.skipped.add(choice.position)
             raise Damaged("; ".join(problems))
         saved, dynamic, own = got
         # The saved hyper-parameters (a scheduler's lr) first: the state read next holds them.
@@ -587,45 +551,10 @@ class MemoryStore:
     ) -> tuple[tuple[Any, Any, Any] | None, list[str]]:
         """This rank's read of ``choice`` and what every rank found wrong with its own (collective:
         all take the state or none does). A refusal (another run) is raised on every rank."""
-        got, problem = self._attempt(lambda: self._read(choice, strategy, check))
-        return got, _agreed(all_gather_object(problem, group=self.group))
+        got, problem = self.attempt(lambda: self._read(choice, strategy, check))
+        return got, agreed(all_gather_object(problem, group=self.group))
 
-    def _read_resized(
-        self, choice: Choice, strategy: Strategy, check: Check
-    ) -> tuple[tuple[Any, Any, Any] | None, list[str]]:
-        """:meth:`_read_everywhere` of copies taken at another world size (``ddp``): the model and
-        optimizer from a slot of ``choice`` on this node (old rank 0's where it is here), the
-        per-rank part (buffers) old rank 0's as a disk snapshot's, and every old rank's own part
-        (its streams) from the rank that gives it (``choice.givers``; one all-gather). The third
-        of what it returns: the old ranks' own parts, in their order."""
-        size, position = choice.world_size, choice.position
-        assert size is not None
-        given: dict[int, tuple[Any, dict[KeyPath, Any] | None]] = {}
-
-        def read() -> tuple[dict[KeyPath, Any], Any, Any]:
-            old, held = self._old_world()
-            found = [f for f in old if f.world_size == size and f.position == position]
-            if not found:
-                raise slots_lib.BadSlot(f"no slot of step {choice.step} is left on its node")
-            reader = min(found, key=lambda f: f.rank)
-            got = self._read_slot(reader.path, strategy, check, size)
-            for rank in (r for r, giver in enumerate(choice.givers) if giver == self.rank):
-                whose = (rank, size, position, True)
-                copy = next((h for h in held if (h.rank, h.world_size, h.position, h.own_part)
-                             == whose), None)  # fmt: skip
-                slot = next((f for f in found if f.rank == rank), None)
-                done = got if slot is reader else None
-                given[rank] = self._old_own_part(choice, rank, copy, slot, done, strategy, check)
-            return got
-
-        got, problem = self._attempt(read, malformed=True)
-        answers: list[Any] = all_gather_object((problem, given), group=self.group)
-        problems = _agreed([p for p, _ in answers])
-        if got is None or problems:
-            return None, problems
-        return _with_old_parts(got, [parts for _, parts in answers], size, choice.step)
-
-    def _attempt(self, read: Callable[[], Any], malformed: bool = False) -> tuple[Any, Any]:
+    def attempt(self, read: Callable[[], Any], malformed: bool = False) -> tuple[Any, Any]:
         """``read()``, or None and what was wrong with it, as every rank is told (:func:`_agreed`):
         a damaged slot, a refused config, another run's state (``malformed``: values no save
         writes are damage too)."""
@@ -641,44 +570,15 @@ class MemoryStore:
         except kinds as err:
             return None, ("damaged", f"rank {self.rank}: its values are not a save's ({err})")
 
-    def _old_own_part(
-        self,
-        choice: Choice,
-        rank: int,
-        copy: replicas_lib.Held | None,
-        slot: slots_lib.Found | None,
-        read: tuple[dict[KeyPath, Any], Any, Any] | None,
-        strategy: Strategy,
-        check: Check,
-    ) -> tuple[Any, dict[KeyPath, Any] | None]:
-        """Old rank ``rank``'s own part at ``choice`` and, for old rank 0, its per-rank tensors:
-        from a ``copy`` of it on this node, else from its ``slot`` here (``read`` where it was
-        read)."""
-        size, position = choice.world_size, choice.position
-        assert size is not None
-        if copy is not None:
-            name = f"the copy of rank {rank}'s own part in {copy.path}"
-            part = _parsed(slots_lib.slot_bytes(copy.path), name, rank, position)
-            if part is None:
-                raise slots_lib.BadSlot(f"{name} changed while it was read")
-            per_rank: dict[KeyPath, Any] = {}
-            own = _own_part(part, per_rank)
-        elif slot is not None:
-            saved, _, own = read or self._read_slot(slot.path, strategy, check, size)
-            per_rank = {p: t for p, t in saved.items() if p[0] == PER_RANK}
-        else:
-            raise slots_lib.BadSlot(f"rank {rank}'s own part of step {choice.step} went")
-        return own, per_rank if rank == 0 else None
-
-    def _read_slot(
-        self, path: Path, strategy: Strategy, check: Check, size: int
+    def read_slot(
+        self, path: Path, strategy: Strategy, check: Check, size: int, sharded: bool = False
     ) -> tuple[dict[KeyPath, torch.Tensor], dict[str, Any], Any]:
         """A slot on this node taken at world size ``size``, read and checked (:meth:`_checked`)."""
         got = slots_lib.read_slot(path, data=True)
         if got is None:
             raise slots_lib.BadSlot(f"{path} changed while it was read")
         try:
-            return self._checked(strategy, check, *got, world_size=size)
+            return self._checked(strategy, check, *got, world_size=size, sharded=sharded)
         except slots_lib.BadSlot as err:
             raise slots_lib.BadSlot(f"{path}: {err}") from None
 
@@ -696,10 +596,10 @@ class MemoryStore:
             holder = dict(choice.sources)[self.rank]
             name = f"rank {holder}'s copy of rank {self.rank}'s state (sent to it)"
             copy, under = (received + [None])[:2]
-            got = _parsed(copy, name, self.rank, choice.position)
+            got = replicas_lib.parsed_copy(copy, name, self.rank, choice.position)
             if self.own_part:  # the copy is this rank's own part, over the holder's slot
                 part, name = got, f"rank {holder}'s slot (sent to rank {self.rank})"
-                got = _parsed(under, name, holder, choice.position)
+                got = replicas_lib.parsed_copy(under, name, holder, choice.position)
         if got is None:
             raise slots_lib.BadSlot(
                 f"the state in memory at step {choice.step} changed while it was read ({name})"
@@ -742,10 +642,13 @@ class MemoryStore:
         *,
         part: tuple[slots_lib.Record, dict, dict, bytes] | None = None,
         world_size: int | None = None,
+        sharded: bool = False,
     ) -> tuple[dict[KeyPath, torch.Tensor], dict[str, Any], Any]:
         """The slot's tensors by path, its values and this rank's own part (from ``part``, a copy
         of it, where given), checked against the run (``check``; a slot of ``world_size``, this
-        world's where None) and the strategy's state (every tensor, its shape and dtype)."""
+        world's where None) and the strategy's state (every tensor, its shape and dtype; where
+        ``sharded``, the place of each tensor in its global tensor instead, as
+        ``dynamic["boxes"]``: the plan of the pieces checks them against the state)."""
         size = world_size or self.world_size
         if values.get("run") != self.slots.run or values.get("world_size") != size:
             raise RuntimeError("ddpkit: a memory snapshot of another run was offered; refusing it")
@@ -769,97 +672,39 @@ class MemoryStore:
             "the snapshot in memory",
         )
         _check_values(dynamic, len(strategy.optimizer.param_groups))
-        own = dynamic["own"] if part is None else _own_part(part, saved)
-        plain = set()
-        for path, value in leaves(strategy.state_dict()):
-            if not isinstance(value, torch.Tensor):
-                plain.add(path)
-                continue
-            held, name = saved.get(path), ".".join(map(str, path))
-            if held is None:
-                raise slots_lib.BadSlot(f"it holds no {name}")
-            if held.shape != local(value).shape or held.dtype != local(value).dtype:
-                # copy_ would broadcast a [1] into any shape: a lie must not reach the model
-                raise slots_lib.BadSlot(
-                    f"its {name} is {held.dtype}{list(held.shape)}, the model's "
-                    f"{local(value).dtype}{list(local(value).shape)}"
-                )
-        if not all(tuple(p) in plain for p, _ in dynamic["strategy_values"]):
-            raise slots_lib.BadSlot(
-                "its values name a part of the state the model and optimizer do not have"
-            )
+        own = dynamic["own"] if part is None else replicas_lib.own_part_of(part, saved)
+        if sharded:
+            try:
+                shapes = [tuple(t.shape) for t in saved.values()]
+                boxes = checked_boxes(manifest.get("boxes"), shapes)
+            except (TypeError, ValueError) as err:
+                raise slots_lib.BadSlot(f"its manifest's places of its tensors: {err}") from None
+            return saved, dynamic | {"boxes": dict(zip(saved, boxes))}, own
+        _check_against(strategy.state_dict(), saved, dynamic)
         return saved, dynamic, own
 
 
-def _agreed(problems: list[tuple[str, str] | None]) -> list[str]:
-    """What every rank found wrong with its read (:meth:`MemoryStore._attempt`): a refused
-    config or another run's state raised on every rank alike, else the damage named."""
-    found = [p for p in problems if p is not None]
-    for kind, text in found:
-        if kind == "config":
-            raise ConfigError(text)
-        if kind == "refused":
-            raise RuntimeError(text)
-    return [text for _, text in found]
-
-
-def _with_old_parts(
-    got: tuple[dict[KeyPath, Any], Any, Any],
-    given: list[dict[int, tuple[Any, dict[KeyPath, Any] | None]]],
-    size: int,
-    step: int,
-) -> tuple[tuple[Any, Any, Any] | None, list[str]]:
-    """A slot's state read at another world size with the old ranks' own parts ``given`` by every
-    rank: old rank 0's per-rank tensors in place of the slot's, as a disk snapshot at another size
-    gives them (the same on every rank), and every old rank's own part in order; else why not."""
-    saved, dynamic, _ = got
-    owns: list[Any] = [None] * size
-    for parts in given:
-        for rank, (own, per_rank) in parts.items():
-            owns[rank] = own
-            if per_rank is None:
-                continue
-            if missing := sorted({p for p in saved if p[0] == PER_RANK} - per_rank.keys()):
-                name = ".".join(map(str, missing[0]))
-                return None, [f"rank 0's own part of step {step} holds no {name}"]
-            for path, tensor in per_rank.items():
-                mine = saved.get(path)
-                if mine is None or (mine.shape, mine.dtype) != (tensor.shape, tensor.dtype):
-                    name = ".".join(map(str, path))
-                    why = f"rank 0's own part of step {step} holds no {name} like the model's"
-                    return None, [why]
-                saved[path] = tensor
-    return (saved, dynamic, owns), []
-
-
-def _parsed(
-    data: bytes | None, name: str, rank: int, position: tuple[int, ...]
-) -> tuple[slots_lib.Record, dict, dict, bytes] | None:
-    """A slot that arrived from another rank, checked (``BadSlot``), its values those of ``rank``'s
-    state at ``position``; None where it did not arrive whole."""
-    got = slots_lib.parse_slot(data, name) if data is not None else None
-    if got is None:
-        return None
-    values = got[2]
-    if values.get("rank") != rank or values.get("position") != list(position):
+def _check_against(state: dict[str, Any], saved: dict[KeyPath, Any], dynamic: Any) -> None:
+    """A slot's tensors (``saved``) and values hold the strategy's ``state``: every tensor of it,
+    its shape and dtype, and no value it does not have (``BadSlot`` naming what differs)."""
+    plain = set()
+    for path, value in leaves(state):
+        if not isinstance(value, torch.Tensor):
+            plain.add(path)
+            continue
+        held, name = saved.get(path), ".".join(map(str, path))
+        if held is None:
+            raise slots_lib.BadSlot(f"it holds no {name}")
+        if held.shape != local(value).shape or held.dtype != local(value).dtype:
+            # copy_ would broadcast a [1] into any shape: a lie must not reach the model
+            raise slots_lib.BadSlot(
+                f"its {name} is {held.dtype}{list(held.shape)}, the model's "
+                f"{local(value).dtype}{list(local(value).shape)}"
+            )
+    if not all(tuple(p) in plain for p, _ in dynamic["strategy_values"]):
         raise slots_lib.BadSlot(
-            f"{name}: it holds rank {values.get('rank')}'s state at {values.get('position')}, "
-            f"not rank {rank}'s at {list(position)}"
+            "its values name a part of the state the model and optimizer do not have"
         )
-    return got
-
-
-def _own_part(part: tuple[slots_lib.Record, dict, dict, bytes], saved: dict[KeyPath, Any]) -> Any:
-    """A rank's own values, from a copy of its own part (:meth:`MemoryStore._save` under ``ddp``),
-    its own tensors of the strategy's state put into ``saved``."""
-    record, manifest, values, data = part
-    tensors = slots_lib.tensors_of(data, record, manifest)
-    if values.get("part") != "own" or len(tensors) != 1 or tensors[0].dtype != torch.uint8:
-        raise slots_lib.BadSlot("it is not a copy of a rank's own part")
-    blob = codec.decode_blob(tensor_bytes(tensors[0]))
-    for key, tensor in blob["strategy_own"].items():
-        saved[tuple(json.loads(key))] = tensor
-    return blob["own"]
 
 
 def _of_param_groups(path: KeyPath) -> bool:
@@ -925,6 +770,7 @@ class _Plan:
     tensors: list[torch.Tensor]
     own: list[bool]
     values: list[tuple[KeyPath, Any]]  # non-tensor values, but the parameter groups' ones
+    boxes: list[Box]  # where each tensor lies in its global one (a resume at another size)
     reusable: bool
     watch: _Watch
     signature: tuple[Any, ...]

@@ -14,6 +14,7 @@ rank). It counts once it arrived whole and its CRC-32C per block checked, its re
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import queue
 import threading
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
 from ddpkit.distributed._collectives import tensor_bytes
+from ddpkit.snapshot import _codec as codec
 from ddpkit.snapshot import _slots as slots_lib
 
 CHUNK = 1 << 26
@@ -264,6 +266,38 @@ def held_copies(folder: Path, job: str, run: str) -> tuple[list[Held], list[str]
         if got is not None and (held := _identity(got[2], job, run, path)) is not None:
             out.append(held)
     return out, damaged
+
+
+def parsed_copy(
+    data: bytes | None, name: str, rank: int, position: tuple[int, ...]
+) -> tuple[slots_lib.Record, dict, dict, bytes] | None:
+    """A slot that arrived from another rank, checked (``BadSlot``), its values those of ``rank``'s
+    state at ``position``; None where it did not arrive whole."""
+    got = slots_lib.parse_slot(data, name) if data is not None else None
+    if got is None:
+        return None
+    values = got[2]
+    if values.get("rank") != rank or values.get("position") != list(position):
+        raise slots_lib.BadSlot(
+            f"{name}: it holds rank {values.get('rank')}'s state at {values.get('position')}, "
+            f"not rank {rank}'s at {list(position)}"
+        )
+    return got
+
+
+def own_part_of(
+    part: tuple[slots_lib.Record, dict, dict, bytes], saved: dict[tuple[Any, ...], Any]
+) -> Any:
+    """A rank's own values, from a copy of its own part (``MemoryStore._save`` under ``ddp``),
+    its own tensors of the strategy's state put into ``saved``."""
+    record, manifest, values, data = part
+    tensors = slots_lib.tensors_of(data, record, manifest)
+    if values.get("part") != "own" or len(tensors) != 1 or tensors[0].dtype != torch.uint8:
+        raise slots_lib.BadSlot("it is not a copy of a rank's own part")
+    blob = codec.decode_blob(tensor_bytes(tensors[0]))
+    for key, tensor in blob["strategy_own"].items():
+        saved[tuple(json.loads(key))] = tensor
+    return blob["own"]
 
 
 # -- the transfer beside training ------------------------------------------------------------------

@@ -332,6 +332,18 @@ class Damaged(RuntimeError):
     """A state that some rank found damaged on reading it: every rank passes over it."""
 
 
+def agreed(problems: list[tuple[str, str] | None]) -> list[str]:
+    """What every rank found wrong with its read (``MemoryStore.attempt``): a refused
+    config or another run's state raised on every rank alike, else the damage named."""
+    found = [p for p in problems if p is not None]
+    for kind, text in found:
+        if kind == "config":
+            raise ConfigError(text)
+        if kind == "refused":
+            raise RuntimeError(text)
+    return [text for _, text in found]
+
+
 KeyPath = tuple[Any, ...]
 """Where a value sits in a nested state dict: its keys from the top."""
 

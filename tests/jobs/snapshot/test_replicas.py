@@ -342,21 +342,51 @@ def test_a_lost_nodes_ranks_resume_from_memory_at_the_smaller_world_size_as_from
     assert _resumes(tmp_path / "none") == [] and control["resumed_from"] is None
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 @pytest.mark.torch_at_least(2, 7, "its fsdp job on the CPU")
-def test_under_fsdp_copies_of_a_larger_world_are_named_and_the_disk_is_read(tmp_path, capfd):
-    roots = _roots(tmp_path, "fsdp", 3)
-    job = functools.partial(_trainer_job, roots, str(tmp_path / "fsdp"), "fsdp", 2)
+@pytest.mark.parametrize("strategy", ["fsdp", pytest.param("zero", marks=SLOW)])
+def test_a_lost_nodes_shards_are_resharded_from_memory_at_the_smaller_world_size_as_from_disk(
+    tmp_path, capfd, strategy
+):
+    """Three nodes of one rank under a sharded strategy, node 1 lost with its memory, the job
+    resumed on the other two: each rank's new shards put together from the old ranks' slots and
+    node 2's copy of rank 1's, as a disk snapshot of the same step (DCP's reshard) resumes at two
+    ranks, bitwise."""
+    roots = _roots(tmp_path, "lost", 3)
+    lost = functools.partial(_trainer_job, roots, str(tmp_path / "lost"), strategy, 2)
     with pytest.raises(Exception, match="planned failure"):
-        run_on_ranks(functools.partial(job, True), 3, env=_as_nodes(roots))
+        run_on_ranks(functools.partial(lost, True), 3, env=_as_nodes(roots))
+    _lose_node(roots[1])
+    final = _on([roots[0], roots[2]], functools.partial(lost, False), 2)
+    (event,) = _resumes(tmp_path / "lost")
+    print(f"\n{strategy}: node 1 of 3 lost after step {KILL}, resumed on 2: {event}")
+    assert event["file"] == "memory (taken on 3 ranks)" and event["step"] in (KILL - 1, KILL)
+    assert event["world_size"] == 2 and final["step"] == STEPS
+    # The reference: a disk snapshot of the same step, taken on three ranks, resumed on two.
+    step = event["step"]
+    disk = _roots(tmp_path, "disk", 3)
+    job = functools.partial(_trainer_job, disk, str(tmp_path / "disk"), strategy, 1, False)
+    _on(disk, functools.partial(job, steps=step), 3)
+    reference = _on([disk[0], disk[2]], job, 2)
+    (resumed,) = _resumes(tmp_path / "disk")
+    assert resumed["step"] == step and resumed["world_size"] == 2
+    assert resumed["file"].startswith("step-")
+    assert _same(final, reference, strategy)
+    differs = rank_differences(tmp_path / "lost.pt", tmp_path / "disk.pt")
+    assert differs == {0: [], 1: []}, differs  # each rank's own state: streams
+    # Control: without copies on other nodes, rank 1's shards went with its node: the disk (none:
+    # the start), named.
+    roots = _roots(tmp_path, "none", 3)
+    none = functools.partial(_trainer_job, roots, str(tmp_path / "none"), strategy, 1)
+    with pytest.raises(Exception, match="planned failure"):
+        run_on_ranks(functools.partial(none, True), 3, env=_as_nodes(roots))
     _lose_node(roots[1])
     capfd.readouterr()
-    final = _on([roots[0], roots[2]], functools.partial(job, False), 2)
+    control = _on([roots[0], roots[2]], functools.partial(none, False), 2)
     said = capfd.readouterr()
-    # each copy holds its rank's shards of three ranks: not resharded, the disk (none: the start)
-    line = "the copies in memory were taken on 3 ranks, this run has 2: under 'fsdp'"
+    line = f"the copies in memory were taken on 3 ranks, this run has 2: under {strategy!r} no step"
     assert line in said.out + said.err
-    assert final["resumed_from"] is None and _resumes(tmp_path / "fsdp") == []
+    assert _resumes(tmp_path / "none") == [] and control["resumed_from"] is None
 
 
 @pytest.mark.slow

@@ -286,16 +286,18 @@ def test_two_of_three_nodes_lost_at_once_are_healed_from_three_copies(tmp_path, 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
+@pytest.mark.parametrize("strategy, port", [("ddp", 29459), ("fsdp", 29463)])
 def test_a_node_lost_with_none_to_replace_it_goes_on_smaller_from_memory_as_from_disk(
-    tmp_path, nodes
+    tmp_path, nodes, strategy, port
 ):
-    """Three nodes of one rank under ``ddp`` (the third a second agent in node a's namespace),
-    ``--nnodes 2:3``; node b lost after step 15 and no new node. Past ``--join-timeout`` the job
-    restarts on the two left and resumes from the copies in memory taken on three ranks (node b's
-    rank's own part from node c's copy of it), as from a disk snapshot of that step: bitwise. The
-    control, copies off, goes back to that disk snapshot."""
+    """Three nodes of one rank (the third a second agent in node a's namespace), ``--nnodes 2:3``;
+    node b lost after step 15 and no new node. Past ``--join-timeout`` the job restarts on the two
+    left and resumes from the copies in memory taken on three ranks (under ``ddp`` node b's rank's
+    own part from node c's copy of it; under ``fsdp`` its shards, resharded with the others over
+    two ranks), as from a disk snapshot of that step: bitwise. The control, copies off, goes back
+    to that disk snapshot."""
     (ns_a, addr), (ns_b, _) = nodes
-    job_args = ("--strategy", "ddp", "--no-sync-bn", "--global-batch", "24")
+    job_args = ("--strategy", strategy, "--no-sync-bn", "--global-batch", "24")
     # past torch's keep-alive (15 s), the lost node is out of the rendezvous the survivors form
     launch = ("--nnodes", "2:3", "--join-timeout", "20", "--rdzv-conf", "last_call_timeout=2")
     hold = ("--hold-after-step", "15", "--hold-file")
@@ -306,7 +308,7 @@ def test_a_node_lost_with_none_to_replace_it_goes_on_smaller_from_memory_as_from
         _lose_node_after_step(job, 15, 1, new=False, written=written)
         return job.finish(), job
 
-    final, job = lose_b("smaller", 29459)
+    final, job = lose_b("smaller", port)
     (resumed,) = [r for r in _records(tmp_path / "smaller", "resume") if r["world_size"] == 2]
     print(f"\nnode b of 3 lost after step 15, none to replace it: {resumed}")
     assert resumed["file"] == "memory (taken on 3 ranks)" and resumed["step"] == 14
@@ -314,7 +316,7 @@ def test_a_node_lost_with_none_to_replace_it_goes_on_smaller_from_memory_as_from
     # Control and reference: copies off, a disk snapshot of step 14; the same loss resumes there.
     # (the loss waits for that snapshot, written in the background, to be whole)
     disk = ("--replicas", "1", "--disk-every-steps", "14")
-    reference, job = lose_b("disk", 29460, *disk, written=14)
+    reference, job = lose_b("disk", port + 1, *disk, written=14)
     (resumed,) = [r for r in _records(tmp_path / "disk", "resume") if r["world_size"] == 2]
     assert resumed["file"].startswith("step-") and resumed["step"] == 14, resumed
     assert _same(final, reference)

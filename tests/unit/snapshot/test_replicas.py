@@ -12,8 +12,10 @@ import torch
 from ddpkit.snapshot import _codec as codec
 from ddpkit.snapshot import _replicas as rl
 from ddpkit.snapshot import _slots as sl
-from ddpkit.snapshot._choice import Choice, choose, choose_resized
+from ddpkit.snapshot._choice import Choice, choose, choose_resharded, choose_resized
 from ddpkit.snapshot._interval import interval_of
+from ddpkit.snapshot._resized import Piece, checked_boxes, plan
+from ddpkit.strategies._base import PER_RANK
 from ddpkit.training._config import SnapshotConfig
 
 # -- where the copies go ---------------------------------------------------------------------------
@@ -122,11 +124,12 @@ def test_every_rank_agrees_on_one_holder_per_needy_rank_whatever_the_order_of_th
     assert choose([dict(o) for o in offers]) == choose(offers)
 
 
-def _sized(own=(), size=3, slots=None, parts=None):
-    """A rank's offer at a new world size: its own slots of it, and the slots and own parts of the
-    old world of ``size`` ranks its node holds (``{old rank: positions}``)."""
-    held = {"slots": slots or {}, "parts": parts or {}}
-    return {"own": [list(p) for p in own], "sizes": {str(size): held} if slots or parts else {}}
+def _sized(own=(), size=3, slots=None, parts=None, copies=None):
+    """A rank's offer at a new world size: its own slots of it, and the slots, own parts and whole
+    copies of the old world of ``size`` ranks its node holds (``{old rank: positions}``)."""
+    held = {"slots": slots or {}, "parts": parts or {}, "copies": copies or {}}
+    found = slots or parts or copies
+    return {"own": [list(p) for p in own], "sizes": {str(size): held} if found else {}}
 
 
 def test_at_a_smaller_world_size_every_old_ranks_own_part_and_a_slot_on_each_node_are_needed():
@@ -163,6 +166,72 @@ def test_each_old_ranks_own_part_is_read_from_a_copy_first_and_spread_over_a_nod
     # a copy of old rank 1's own part on the node too: read instead of its slot
     offer = _sized(size=4, slots={0: [B], 1: [B]}, parts={1: [B], 2: [B], 3: [B]})
     assert choose_resized([offer, _sized(size=4, slots={0: [B]})], 2).givers == (0, 0, 0, 0)
+
+
+def test_sharded_every_old_ranks_state_is_read_from_a_slot_or_a_whole_copy_on_a_node_left():
+    # fsdp, 3 nodes of one rank, copies on the next node; node 1 lost: rank 0 (node 0) holds old
+    # rank 0's slots and old rank 2's copy, rank 1 (node 2) old rank 2's slots and old rank 1's
+    # copy of step 11 only (the transfer of 12 cut)
+    offers = [_sized(slots={0: [B, C]}, copies={2: [B, C]}), _sized(slots={2: [B, C]},
+              copies={1: [A, B]})]  # fmt: skip
+    # a slot's holder reads it before a copy's: old rank 2 from its slot on node 2
+    assert choose_resharded(offers, 2) == Choice(B, world_size=3, givers=(0, 1, 1))
+    # no slot of this world is needed on each node: every piece is sent; a larger world too
+    assert choose_resharded(offers + [_sized()], 4) == Choice(B, world_size=3, givers=(0, 1, 1))
+    # Controls: old rank 1's copies lost with node 1 (replicas=1): the disk; a slot of this world
+    # newer than the copies (an abandoned course): the disk; this world's own size: choose()'s
+    assert choose_resharded([_sized(slots={0: [B, C]}), _sized(slots={2: [B, C]})], 2) is None
+    newer = [_sized([C], slots={0: [B]}, copies={1: [B]}), _sized(slots={2: [B]})]
+    assert choose_resharded(newer, 2) is None
+    assert choose_resharded([_sized(size=2, slots={0: [B], 1: [B]})] * 2, 2) is None
+
+
+def _rows(offset: int, rows: int, total: int = 10) -> tuple:
+    return (offset, 0), (rows, 3), (total, 3)
+
+
+def test_each_new_shard_is_put_together_from_the_old_shards_that_overlap_it():
+    w = ("model", "w")
+    # fsdp's rows of 10 over 3 ranks (4, 4, 2) to 2 (5, 5); a replicated scalar held by all
+    old = {r: {w: (_rows(4 * r, [4, 4, 2][r]), "torch.float32"),
+               ("optim", "step"): (((), (), ()), "torch.float32")} for r in range(3)}  # fmt: skip
+    new = [{w: (_rows(5 * n, 5), "torch.float32"), ("optim", "step"): (((), (), ()),
+            "torch.float32")} for n in range(2)]  # fmt: skip
+    givers = (0, 1, 1)
+    pieces, missing = plan(old, new, givers)
+    assert missing == []
+    assert [p for p in pieces if p.path == w] == [
+        Piece(0, w, 0, (0, 0), (4, 3)), Piece(0, w, 1, (4, 0), (1, 3)),
+        Piece(1, w, 1, (5, 0), (3, 3)), Piece(1, w, 2, (8, 0), (2, 3)),
+    ]  # fmt: skip
+    # a replicated tensor from an old rank its taker reads itself: nothing sent for it
+    steps = [p for p in pieces if p.path == ("optim", "step")]
+    assert [(p.needy, p.old) for p in steps] == [(0, 0), (1, 1)]
+    # Control: old rank 1's shard gone: rows 4-7 named, for both new ranks
+    del old[1]
+    _, missing = plan(old, new, givers)
+    assert missing == ["model.w of rank 0", "model.w of rank 1"]
+
+
+def test_a_ranks_own_tensors_come_from_old_rank_0_and_another_dtype_is_no_piece():
+    own = (PER_RANK, "model", "bn.running_mean")
+    old = {r: {own: (((0,), (4,), (4,)), "torch.float32")} for r in range(3)}
+    pieces, missing = plan(old, [{own: (((0,), (4,), (4,)), "torch.float32")}] * 2, (0, 1, 1))
+    assert missing == [] and [(p.needy, p.old) for p in pieces] == [(0, 0), (1, 0)]
+    # Control: the same tensor in another dtype is none of it
+    _, missing = plan(old, [{own: (((0,), (4,), (4,)), "torch.float64")}], (0, 1, 1))
+    assert missing == [f"{PER_RANK}.model.bn.running_mean of rank 0"]
+
+
+def test_a_copys_places_of_its_tensors_are_checked_against_them():
+    assert checked_boxes([[[4, 0], [4, 3], [10, 3]]], [(4, 3)]) == [((4, 0), (4, 3), (10, 3))]
+    # Controls: past the global tensor; sizes that are not the tensor's; one place for two
+    with pytest.raises(ValueError, match="overruns"):
+        checked_boxes([[[8, 0], [4, 3], [10, 3]]], [(4, 3)])
+    with pytest.raises(ValueError, match="says it is"):
+        checked_boxes([[[0, 0], [4, 3], [10, 3]]], [(5, 3)])
+    with pytest.raises(ValueError, match="no place"):
+        checked_boxes([[[0, 0], [4, 3], [10, 3]]], [(4, 3), (4, 3)])
 
 
 def _timings(hidden: float, n: int = 16) -> tuple[list[float], list[bool], list[float]]:
