@@ -390,6 +390,70 @@ def test_a_lost_nodes_shards_are_resharded_from_memory_at_the_smaller_world_size
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.torch_at_least(2, 7, "its fsdp job on the CPU")
+def test_a_damaged_copy_of_an_old_ranks_shards_is_named_and_the_step_before_is_resharded(
+    tmp_path, capfd
+):
+    """Node 1 of 3 lost under ``fsdp``, and node 2's newest copy of rank 1's shards damaged (a bit
+    flipped in its data): every rank passes over that step, named, and reshards the one before,
+    as a disk snapshot of it resumes at two ranks, bitwise."""
+    roots = _roots(tmp_path, "lost", 3)
+    lost = functools.partial(_trainer_job, roots, str(tmp_path / "lost"), "fsdp", 2)
+    with pytest.raises(Exception, match="planned failure"):
+        run_on_ranks(functools.partial(lost, True), 3, env=_as_nodes(roots))
+    _lose_node(roots[1])
+    copies = {}
+    for path in Path(roots[2], MEMORY).glob("*-replica1-*.slot"):
+        if (got := sl.read_slot(path)) is not None:
+            copies[got[2]["step"]] = (path, got[0])
+    newest = max(copies)
+    path, record = copies[newest]
+    raw = bytearray(path.read_bytes())
+    raw[record.data[0] + 100] ^= 0x10
+    path.write_bytes(raw)
+    capfd.readouterr()
+    final = _on([roots[0], roots[2]], functools.partial(lost, False), 2)
+    said = capfd.readouterr()
+    assert "fail their checksum" in said.out + said.err
+    (event,) = _resumes(tmp_path / "lost")
+    assert event["file"] == "memory (taken on 3 ranks)" and event["step"] == newest - 1, event
+    disk = _roots(tmp_path, "disk", 3)
+    job = functools.partial(_trainer_job, disk, str(tmp_path / "disk"), "fsdp", 1, False)
+    _on(disk, functools.partial(job, steps=newest - 1), 3)
+    reference = _on([disk[0], disk[2]], job, 2)
+    assert _same(final, reference, "fsdp")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.torch_at_least(2, 7, "its fsdp job on the CPU")
+def test_under_fsdp_a_node_that_joins_takes_its_shards_from_the_copies_in_memory(tmp_path):
+    """Two nodes of one rank under ``fsdp``, the job restarted on three (a node joined, with an
+    empty memory): its rank holds nothing on its node and takes every piece of its shards from the
+    others, as a disk snapshot of the same step resumes at three ranks, bitwise."""
+    roots = _roots(tmp_path, "grown", 3)
+    grown = functools.partial(_trainer_job, roots, str(tmp_path / "grown"), "fsdp", 2)
+    with pytest.raises(Exception, match="planned failure"):
+        run_on_ranks(functools.partial(grown, True), 2, env=_as_nodes(roots))
+    final = _on(roots, functools.partial(grown, False), 3)
+    (event,) = _resumes(tmp_path / "grown")
+    print(f"\nfsdp: 2 ranks stopped after step {KILL}, resumed on 3: {event}")
+    assert event["file"] == "memory (taken on 2 ranks)" and event["step"] in (KILL - 1, KILL)
+    step = event["step"]
+    disk = _roots(tmp_path, "disk", 3)
+    job = functools.partial(_trainer_job, disk, str(tmp_path / "disk"), "fsdp", 1, False)
+    _on(disk, functools.partial(job, steps=step), 2)
+    reference = _on(disk, job, 3)
+    (resumed,) = _resumes(tmp_path / "disk")
+    assert resumed["step"] == step and resumed["world_size"] == 3
+    assert resumed["file"].startswith("step-")
+    assert _same(final, reference, "fsdp")
+    differs = rank_differences(tmp_path / "grown.pt", tmp_path / "disk.pt", world=3)
+    assert differs == {0: [], 1: [], 2: []}, differs
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.torch_at_least(2, 7, "its fsdp job on the CPU")
 def test_a_damaged_copy_is_named_and_every_rank_passes_over_it(tmp_path, capfd):
