@@ -575,6 +575,12 @@ def part_scale(a: argparse.Namespace) -> None:
     took = statistics.median(_plan_at(1024, 8) for _ in range(5))
     print(f"\nThe plan alone (choose(), every rank computes it) at 1,024 ranks, nodes of 8, the "
           f"last node lost: {1e3 * took:.1f} ms (measured, one process)")  # fmt: skip
+    took, gathered = (statistics.median(x) for x in zip(*(_reshard_at(1024, 8) for _ in range(3))))
+    print(f"The reshard's plan at 1,024 ranks under fsdp (the last node of 8 lost, the job "
+          f"restarted on 1,016; 600 tensors cut along dim 0, as the transformer's parameters and "
+          f"Adam's two states): {took:.2f} s on one rank (its pieces, taken and given), "
+          f"{gathered / 2**20:.0f} MiB of places gathered on every rank (measured, one process)"
+          )  # fmt: skip
 
 
 # -- device: the copy from a GPU, pinned and on a side stream, against a plain one -----------------
@@ -653,6 +659,38 @@ def _plan_at(world: int, per_node: int) -> float:
     took = time.perf_counter() - t0
     assert choice is not None and len(choice.sources) == per_node
     return took
+
+
+def _reshard_at(world: int, per_node: int, tensors: int = 600) -> tuple[float, int]:
+    """Seconds :func:`~ddpkit.snapshot._resized.plan` takes one rank (rank 5, which also reads an
+    old rank's copy) to find the pieces it takes and gives when ``world`` ranks under ``fsdp``
+    restart on ``world - per_node``, and the bytes of places every rank gathers (its own and the
+    old ranks'), measured here in one process."""
+    import pickle
+
+    from ddpkit.snapshot._resized import plan
+
+    def boxes(ranks: int, rows: int) -> list[tuple]:
+        chunk = -(-rows // ranks)  # torch.chunk's cut, as fully_shard's Shard(0)
+        return [((min(r * chunk, rows), 0), (max(0, min(chunk, rows - r * chunk)), 64), (rows, 64))
+                for r in range(ranks)]  # fmt: skip
+
+    new_world = world - per_node
+    old: dict[int, dict] = {r: {} for r in range(world)}
+    new: list[dict] = [{} for _ in range(new_world)]
+    for t in range(tensors):
+        path, rows = ("optim", f"layers.{t}.weight", "exp_avg"), 4096 + t
+        for r, box in enumerate(boxes(world, rows)):
+            old[r][path] = (box, "torch.float32")
+        for r, box in enumerate(boxes(new_world, rows)):
+            new[r][path] = (box, "torch.float32")
+    givers = tuple(r % new_world for r in range(world))
+    t0 = time.perf_counter()
+    pieces, missing = plan(old, new, givers, 5)
+    took = time.perf_counter() - t0
+    assert pieces and not missing
+    gathered = sum(len(pickle.dumps(x)) for x in [*old.values(), *new])
+    return took, gathered
 
 
 def main() -> None:

@@ -14,7 +14,9 @@ memory, where no rank can read another node's files.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -208,9 +210,10 @@ class OldWorld:
             return None, problems
         olds = {old: info for _, t, _ in answers for old, info in t.items()}
         layouts = {old: layout for old, (layout, _, _) in olds.items()}
-        pieces, missing = plan(layouts, [w for _, _, w in answers], choice.givers)
-        if missing:
-            return None, [f"the copies of step {choice.step} on {size} ranks hold no {missing[0]}"]
+        pieces, missing = plan(layouts, [w for _, _, w in answers], choice.givers, s.rank)
+        # each rank checks its own state is covered: every rank hears of any gap
+        if lacking := [m for some in all_gather_object(missing[:1], group=s.group) for m in some]:
+            return None, [f"the copies of step {choice.step} on {size} ranks hold no {lacking[0]}"]
         saved = {p: torch.empty_like(local(v)) for p, v in mine.items()}
 
         def source(old: int, path: KeyPath) -> tuple[torch.Tensor, Box]:
@@ -320,36 +323,103 @@ class Piece:
     sizes: tuple[int, ...]
 
 
+def _span(box: Box) -> tuple[int, int]:
+    """A box's span along dim 0 (a scalar's: [0, 1))."""
+    return (box[0][0], box[0][0] + box[1][0]) if box[0] else (0, 1)
+
+
+class _Index:
+    """The distinct boxes of each path and the ranks holding each, sorted by their start along
+    dim 0 with the largest end so far: the boxes that meet a region are found by bisection, not
+    by a scan of every rank's (a scan is what is left where the boxes are not cut along dim 0)."""
+
+    def __init__(self, held: dict[int, dict[KeyPath, tuple[Box, str]]]) -> None:
+        owners: dict[KeyPath, dict[tuple[Box, str], list[int]]] = {}
+        for rank in sorted(held):
+            for path, kept in held[rank].items():
+                ranks = owners.setdefault(path, {}).get(kept)
+                if ranks is None:
+                    owners[path][kept] = [rank]
+                else:
+                    ranks.append(rank)
+        self._paths: dict[KeyPath, tuple[list[int], list[int], list[Any]]] = {}
+        for path, boxes in owners.items():
+            items = sorted((_span(box), box, dtype, ranks) for (box, dtype), ranks in boxes.items())
+            starts = [item[0][0] for item in items]
+            ends = list(itertools.accumulate((item[0][1] for item in items), max))
+            self._paths[path] = (starts, ends, [item[1:] for item in items])
+
+    def overlapping(self, path: KeyPath, box: Box) -> list[tuple[Box, str, list[int]]]:
+        """The distinct boxes of ``path`` whose span along dim 0 meets ``box``'s, with their
+        ranks, in the order of their start."""
+        if path not in self._paths:
+            return []
+        starts, ends, items = self._paths[path]
+        low, high = _span(box)
+        found = []
+        for k in range(bisect.bisect_left(starts, high) - 1, -1, -1):
+            if ends[k] <= low:
+                break  # no box from here down reaches the region
+            held, dtype, ranks = items[k]
+            found.append((held, dtype, ranks))
+        return found[::-1]
+
+
+def _pieces_for(
+    needy: int, wanted: dict[KeyPath, tuple[Box, str]], olds: _Index, givers: tuple[int, ...]
+) -> tuple[list[Piece], list[str]]:
+    """The pieces rank ``needy`` of the new world takes, in the order of its state, and what of it
+    no old box holds. Of a box several old ranks hold alike (a replicated tensor), the one read on
+    ``needy`` itself, else one spread over the needy ranks."""
+    pieces, missing = [], []
+    for path, (box, dtype) in wanted.items():
+        covered = 0
+        for held, held_dtype, ranks in olds.overlapping(path, box):
+            if held_dtype != dtype or held[2] != box[2]:
+                continue
+            if path[0] == PER_RANK:  # a rank's own tensors: old rank 0's, as from a disk snapshot
+                ranks = [r for r in ranks if r == 0]
+                if not ranks:
+                    continue
+            mine = [r for r in ranks if givers[r] == needy]
+            old = mine[0] if mine else ranks[needy % len(ranks)]
+            shared = _overlap(box, held)
+            if shared is not None and _volume(shared[1]):
+                pieces.append(Piece(needy, path, old, *shared))
+                covered += _volume(shared[1])
+        if covered != _volume(box[1]):
+            missing.append(f"{'.'.join(map(str, path))} of rank {needy}")
+    return pieces, missing
+
+
 def plan(
     layouts: dict[int, dict[KeyPath, tuple[Box, str]]],
     wants: list[dict[KeyPath, tuple[Box, str]]],
     givers: tuple[int, ...],
+    rank: int | None = None,
 ) -> tuple[list[Piece], list[str]]:
-    """Every piece each new rank takes (the same on every rank), and what no old copy holds.
-    ``layouts[old][path]``: old rank ``old``'s box of each tensor and its dtype; ``wants[new]``:
-    the same of each rank of the new world. A rank's own tensors (:data:`PER_RANK`) come from old
-    rank 0's, as a disk snapshot gives them at another world size; of the boxes several old ranks
-    hold alike (a replicated tensor), the one read on the needy rank itself, else the lowest
-    rank's."""
+    """The pieces each new rank takes, and what of its state no old copy holds. ``layouts[old]
+    [path]``: old rank ``old``'s box of each tensor and its dtype; ``wants[new]``: the same of each
+    rank of the new world; ``givers[old]``: the rank that reads old rank ``old``'s copy. With
+    ``rank``: only the pieces ``rank`` takes or gives, and what of its own state is missing (the
+    same on the two ranks of a piece; what is missing is not the same on every rank: gather it).
+    A rank's own tensors (:data:`PER_RANK`) come from old rank 0's, as a disk snapshot gives them
+    at another world size."""
+    olds = _Index(layouts)
+    needies: set[int] = set(range(len(wants))) if rank is None else {rank}
+    if rank is not None:  # the ranks whose state overlaps a box of an old rank this one reads
+        new = _Index(dict(enumerate(wants)))
+        for old in (o for o, giver in enumerate(givers) if giver == rank):
+            for path, (box, _) in layouts.get(old, {}).items():
+                for _, _, ranks in new.overlapping(path, box):
+                    needies.update(ranks)
     pieces: list[Piece] = []
     missing: list[str] = []
-    for needy, wanted in enumerate(wants):
-        for path, (box, dtype) in wanted.items():
-            olds = [0] if path[0] == PER_RANK else sorted(layouts)
-            chosen: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
-            for old in sorted(olds, key=lambda o: (givers[o] != needy, o)):
-                held = layouts.get(old, {}).get(path)
-                if held is None or held[1] != dtype or held[0][2] != box[2]:
-                    continue
-                chosen.setdefault(held[0][:2], old)
-            covered = 0
-            for (offsets, sizes), old in sorted(chosen.items(), key=lambda kv: kv[1]):
-                shared = _overlap(box, (offsets, sizes, box[2]))
-                if shared is not None and _volume(shared[1]):
-                    pieces.append(Piece(needy, path, old, *shared))
-                    covered += _volume(shared[1])
-            if covered != _volume(box[1]):
-                missing.append(f"{'.'.join(map(str, path))} of rank {needy}")
+    for needy in sorted(needies):
+        got, lacking = _pieces_for(needy, wants[needy], olds, givers)
+        if rank is None or needy == rank:
+            missing += lacking
+        pieces += [p for p in got if rank is None or rank in (needy, givers[p.old])]
     return pieces, missing
 
 

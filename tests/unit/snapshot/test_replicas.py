@@ -207,6 +207,14 @@ def test_each_new_shard_is_put_together_from_the_old_shards_that_overlap_it():
     # a replicated tensor from an old rank its taker reads itself: nothing sent for it
     steps = [p for p in pieces if p.path == ("optim", "step")]
     assert [(p.needy, p.old) for p in steps] == [(0, 0), (1, 1)]
+    # each rank's own plan: the pieces it takes or gives, in the same order as the whole plan's
+    for rank in range(2):
+        mine, _ = plan(old, new, givers, rank)
+        assert mine == [p for p in pieces if rank in (p.needy, givers[p.old])]
+    # a replicated tensor a new rank reads from none of its own: spread over the old ranks
+    third = {("optim", "step"): (((), (), ()), "torch.float32")}
+    more, _ = plan(old, [*new, third], givers)
+    assert (more[-1].needy, more[-1].old) == (2, 2)  # rank 2 of a third new rank: old rank 2
     # Control: old rank 1's shard gone: rows 4-7 named, for both new ranks
     del old[1]
     _, missing = plan(old, new, givers)
