@@ -51,6 +51,7 @@ from ddpkit.snapshot._state import (
     Resumed,
     agreed,
     leaves,
+    of_param_groups,
     set_at,
 )
 from ddpkit.strategies._base import PER_RANK, UNSTEPPED, Strategy
@@ -405,7 +406,7 @@ class MemoryStore:
         aliases = all(t.untyped_storage().data_ptr() in storages for t in tensors)
         # the parameter groups' values (optim.param_groups.<name>.<key>, zero's param_groups): the
         # saved parameter groups restore them, read fresh at each save
-        kept = [(p, v) for p, v in values if not _of_param_groups(p)]
+        kept = [(p, v) for p, v in values if not of_param_groups(p)]
         # which optimizers have not stepped changes only with their state, and so the signature
         fixed = all(p == (UNSTEPPED,) for p, _ in kept)
         ident = plan.ident + 1 if plan else 0
@@ -463,9 +464,10 @@ class MemoryStore:
                 name = getattr(self._strategy, "name", "a sharding strategy")
                 warn(
                     f"ddpkit: the copies in memory were taken on {' and '.join(map(str, sizes))} "
-                    f"ranks, this run has {self.world_size}: under {name!r} no step of them has "
-                    "every old rank's shards (its slot, or a copy of it on another node: "
-                    "replicas=2 or more) on a node left; resuming from disk"
+                    f"ranks, this run has {self.world_size}: under {name!r} no step of them newer "
+                    "than this world's own copies has every old rank's shards whole (its slot, or "
+                    "a copy of it on another node: replicas=2 or more) on a node left; resuming "
+                    "from disk"
                 )
             elif sizes and max(sizes) > self.world_size:
                 warn(
@@ -571,12 +573,23 @@ class MemoryStore:
             return None, ("damaged", f"rank {self.rank}: its values are not a save's ({err})")
 
     def read_slot(
-        self, path: Path, strategy: Strategy, check: Check, size: int, sharded: bool = False
+        self,
+        path: Path,
+        strategy: Strategy,
+        check: Check,
+        size: int,
+        sharded: bool = False,
+        whose: tuple[int, tuple[int, ...]] | None = None,
     ) -> tuple[dict[KeyPath, torch.Tensor], dict[str, Any], Any]:
-        """A slot on this node taken at world size ``size``, read and checked (:meth:`_checked`)."""
+        """A slot or whole copy on this node taken at world size ``size``, read and checked
+        (:meth:`_checked`), of old rank ``whose[0]``'s state at ``whose[1]`` where given."""
         got = slots_lib.read_slot(path, data=True)
         if got is None:
             raise slots_lib.BadSlot(f"{path} changed while it was read")
+        if whose is not None and (got[2].get("rank"), got[2].get("position")) != (
+            whose[0], list(whose[1])
+        ):  # fmt: skip
+            raise slots_lib.BadSlot(f"{path} holds another rank's or step's state than it said")
         try:
             return self._checked(strategy, check, *got, world_size=size, sharded=sharded)
         except slots_lib.BadSlot as err:
@@ -677,7 +690,7 @@ class MemoryStore:
             try:
                 shapes = [tuple(t.shape) for t in saved.values()]
                 boxes = checked_boxes(manifest.get("boxes"), shapes)
-            except (TypeError, ValueError) as err:
+            except ValueError as err:
                 raise slots_lib.BadSlot(f"its manifest's places of its tensors: {err}") from None
             return saved, dynamic | {"boxes": dict(zip(saved, boxes))}, own
         _check_against(strategy.state_dict(), saved, dynamic)
@@ -705,13 +718,6 @@ def _check_against(state: dict[str, Any], saved: dict[KeyPath, Any], dynamic: An
         raise slots_lib.BadSlot(
             "its values name a part of the state the model and optimizer do not have"
         )
-
-
-def _of_param_groups(path: KeyPath) -> bool:
-    """Whether a value of a strategy's state is one of its parameter groups' (its learning rate, its
-    betas), which a slot saves apart and a load puts back before it reads the state."""
-    under_optim = len(path) == 2 and path[0] == "optim" and str(path[1]).startswith("param_groups.")
-    return under_optim or path == ("param_groups",)
 
 
 def _check_values(dynamic: dict[str, Any], groups: int) -> None:

@@ -7,9 +7,8 @@ it. Under ``fsdp`` and ``zero`` each old rank holds its own shards: each saved t
 of its global tensor (its offsets, its own sizes, the global sizes: a DTensor's shard, or a whole
 tensor at offset 0), recorded with the copy, and each rank of the new world fills the boxes of its
 own state from the old boxes that overlap them (:func:`plan`), sent to it point to point by the
-rank that reads each old rank's copy (:func:`exchange`): no rank holds more than its own new
-shards and the old copies it reads. DCP reshards a disk snapshot the same way; this does it from
-memory, where no rank can read another node's files.
+rank that reads each old rank's copy (:func:`exchange`). DCP reshards a disk snapshot the same
+way; this does it from memory, where no rank can read another node's files.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from ddpkit.distributed._collectives import all_gather_object
 from ddpkit.snapshot import _replicas as replicas_lib
 from ddpkit.snapshot import _slots as slots_lib
 from ddpkit.snapshot._choice import Choice
-from ddpkit.snapshot._state import Check, KeyPath, agreed, leaves
+from ddpkit.snapshot._state import Check, KeyPath, agreed, leaves, of_param_groups
 from ddpkit.strategies._base import PER_RANK, Strategy
 
 if TYPE_CHECKING:
@@ -66,7 +65,8 @@ class OldWorld:
     def offer(self) -> dict[str, dict[str, dict[str, list[tuple[int, ...]]]]]:
         """The positions of the whole slots, copies of own parts and whole copies this node holds,
         by old world size, kind (``slots``, ``parts``, ``copies``) and old rank (what
-        :func:`~ddpkit.snapshot._choice.choose_resized` and ``choose_resharded`` read)."""
+        :func:`~ddpkit.snapshot._choice.choose_resized` and
+        :func:`~ddpkit.snapshot._choice.choose_resharded` read)."""
         sizes: dict[str, dict[str, dict[str, list[tuple[int, ...]]]]] = {}
         found, held = self.files()
         kinds = (
@@ -196,11 +196,13 @@ class OldWorld:
             for old in (r for r, giver in enumerate(choice.givers) if giver == s.rank):
                 if (old, position) not in paths:
                     raise slots_lib.BadSlot(f"rank {old}'s state of step {choice.step} went")
-                read[old] = s.read_slot(paths[old, position], strategy, check, size, sharded=True)
+                whose = (old, position)
+                path = paths[whose]
+                read[old] = s.read_slot(path, strategy, check, size, sharded=True, whose=whose)
             told = {}
             for old, (saved, dynamic, own) in read.items():
                 values = {k: dynamic[k] for k in ("param_groups", "states", "global_micro_batch")}
-                values["strategy_values"] = dynamic["strategy_values"]
+                values["strategy_values"] = {tuple(p): v for p, v in dynamic["strategy_values"]}
                 told[old] = (layout_of(saved, dynamic["boxes"]), own, values)
             return told
 
@@ -211,6 +213,15 @@ class OldWorld:
         olds = {old: info for _, t, _ in answers for old, info in t.items()}
         layouts = {old: layout for old, (layout, _, _) in olds.items()}
         pieces, missing = plan(layouts, [w for _, _, w in answers], choice.givers, s.rank)
+        # each value the lowest old rank's that has it (a zero rank that owned no parameter has no
+        # UNSTEPPED); one that none has is missing, as a disk snapshot without it is refused
+        values = [olds[r][2]["strategy_values"] for r in range(size)]
+        plain = [
+            p
+            for p, v in leaves(state)
+            if not isinstance(v, torch.Tensor) and not of_param_groups(p)
+        ]  # the parameter groups' values are restored with the groups
+        missing += [".".join(map(str, p)) for p in plain if not any(p in v for v in values)]
         # each rank checks its own state is covered: every rank hears of any gap
         if lacking := [m for some in all_gather_object(missing[:1], group=s.group) for m in some]:
             return None, [f"the copies of step {choice.step} on {size} ranks hold no {lacking[0]}"]
@@ -221,13 +232,8 @@ class OldWorld:
 
         into = {p: (saved[p], boxes[p]) for p in mine}
         exchange(pieces, choice.givers, s.rank, source, into, s.group)
-        dynamic = dict(olds[0][2])
-        values = [{tuple(p): v for p, v in olds[r][2]["strategy_values"]} for r in range(size)]
-        dynamic["strategy_values"] = [
-            (path, next(v[path] for v in values if path in v))
-            for path, value in leaves(state)
-            if not isinstance(value, torch.Tensor) and any(path in v for v in values)
-        ]
+        dynamic: dict[str, Any] = dict(olds[0][2])
+        dynamic["strategy_values"] = [(p, next(v[p] for v in values if p in v)) for p in plain]
         return (saved, dynamic, [olds[r][1] for r in range(size)]), []
 
 
@@ -286,7 +292,11 @@ def checked_boxes(raw: Any, shapes: list[tuple[int, ...]]) -> list[Box]:
         raise ValueError("it lists no place in the global tensors for each of its tensors")
     boxes = []
     for item, shape in zip(raw, shapes):
-        offsets, sizes, whole = (tuple(int(x) for x in part) for part in item)
+        if not (isinstance(item, list) and len(item) == 3 and all(
+            isinstance(part, list) and all(type(x) is int for x in part) for part in item
+        )):  # fmt: skip
+            raise ValueError(f"a place is not three lists of whole numbers: {str(item)[:80]}")
+        offsets, sizes, whole = (tuple(part) for part in item)
         if sizes != tuple(shape) or not len(offsets) == len(whole) == len(sizes):
             raise ValueError(f"a tensor of sizes {list(shape)} says it is {list(sizes)}")
         if any(o < 0 or o + s > w for o, s, w in zip(offsets, sizes, whole)):
@@ -371,9 +381,10 @@ def _pieces_for(
     """The pieces rank ``needy`` of the new world takes, in the order of its state, and what of it
     no old box holds. Of a box several old ranks hold alike (a replicated tensor), the one read on
     ``needy`` itself, else one spread over the needy ranks."""
-    pieces, missing = [], []
+    pieces: list[Piece] = []
+    missing: list[str] = []
     for path, (box, dtype) in wanted.items():
-        covered = 0
+        taken: list[Piece] = []
         for held, held_dtype, ranks in olds.overlapping(path, box):
             if held_dtype != dtype or held[2] != box[2]:
                 continue
@@ -384,11 +395,15 @@ def _pieces_for(
             mine = [r for r in ranks if givers[r] == needy]
             old = mine[0] if mine else ranks[needy % len(ranks)]
             shared = _overlap(box, held)
-            if shared is not None and _volume(shared[1]):
-                pieces.append(Piece(needy, path, old, *shared))
-                covered += _volume(shared[1])
-        if covered != _volume(box[1]):
+            if shared is not None:
+                taken.append(Piece(needy, path, old, *shared))
+        # distinct old boxes that overlap (a lying copy) would count a region twice and hide a gap
+        regions = [(p.offsets, p.sizes, box[2]) for p in taken]
+        if sum(_volume(p.sizes) for p in taken) != _volume(box[1]) or any(
+            _overlap(a, b) is not None for a, b in itertools.combinations(regions, 2)
+        ):
             missing.append(f"{'.'.join(map(str, path))} of rank {needy}")
+        pieces += taken
     return pieces, missing
 
 

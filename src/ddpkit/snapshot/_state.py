@@ -373,6 +373,13 @@ def nest(items: list[tuple[KeyPath, Any]]) -> dict[str, Any]:
     return root
 
 
+def of_param_groups(path: KeyPath) -> bool:
+    """Whether a value of a strategy's state is one of its parameter groups' (its learning rate, its
+    betas), which a slot saves apart and a load puts back before it reads the state."""
+    under_optim = len(path) == 2 and path[0] == "optim" and str(path[1]).startswith("param_groups.")
+    return under_optim or path == ("param_groups",)
+
+
 def set_at(tree: dict[str, Any], path: KeyPath, value: Any) -> None:
     """Put ``value`` at ``path`` of ``tree``, whose dicts down to it exist."""
     for key in path[:-1]:

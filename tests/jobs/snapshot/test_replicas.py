@@ -428,27 +428,29 @@ def test_a_damaged_copy_of_an_old_ranks_shards_is_named_and_the_step_before_is_r
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.torch_at_least(2, 7, "its fsdp job on the CPU")
-def test_under_fsdp_a_node_that_joins_takes_its_shards_from_the_copies_in_memory(tmp_path):
-    """Two nodes of one rank under ``fsdp``, the job restarted on three (a node joined, with an
-    empty memory): its rank holds nothing on its node and takes every piece of its shards from the
+@pytest.mark.parametrize("strategy", ["fsdp", "zero"])
+def test_a_node_that_joins_takes_its_shards_from_the_copies_in_memory(tmp_path, strategy):
+    """Two nodes of one rank under a sharded strategy, the job restarted on three (a node joined,
+    with an empty memory): its rank holds nothing on its node and takes every piece of its shards
+    (under ``zero`` the model too, and the optimizer state of the parameters it now owns) from the
     others, as a disk snapshot of the same step resumes at three ranks, bitwise."""
     roots = _roots(tmp_path, "grown", 3)
-    grown = functools.partial(_trainer_job, roots, str(tmp_path / "grown"), "fsdp", 2)
+    grown = functools.partial(_trainer_job, roots, str(tmp_path / "grown"), strategy, 2)
     with pytest.raises(Exception, match="planned failure"):
         run_on_ranks(functools.partial(grown, True), 2, env=_as_nodes(roots))
     final = _on(roots, functools.partial(grown, False), 3)
     (event,) = _resumes(tmp_path / "grown")
-    print(f"\nfsdp: 2 ranks stopped after step {KILL}, resumed on 3: {event}")
+    print(f"\n{strategy}: 2 ranks stopped after step {KILL}, resumed on 3: {event}")
     assert event["file"] == "memory (taken on 2 ranks)" and event["step"] in (KILL - 1, KILL)
     step = event["step"]
     disk = _roots(tmp_path, "disk", 3)
-    job = functools.partial(_trainer_job, disk, str(tmp_path / "disk"), "fsdp", 1, False)
+    job = functools.partial(_trainer_job, disk, str(tmp_path / "disk"), strategy, 1, False)
     _on(disk, functools.partial(job, steps=step), 2)
     reference = _on(disk, job, 3)
     (resumed,) = _resumes(tmp_path / "disk")
     assert resumed["step"] == step and resumed["world_size"] == 3
     assert resumed["file"].startswith("step-")
-    assert _same(final, reference, "fsdp")
+    assert _same(final, reference, strategy)
     differs = rank_differences(tmp_path / "grown.pt", tmp_path / "disk.pt", world=3)
     assert differs == {0: [], 1: [], 2: []}, differs
 

@@ -240,6 +240,22 @@ def test_a_copys_places_of_its_tensors_are_checked_against_them():
         checked_boxes([[[0, 0], [4, 3], [10, 3]]], [(5, 3)])
     with pytest.raises(ValueError, match="no place"):
         checked_boxes([[[0, 0], [4, 3], [10, 3]]], [(4, 3), (4, 3)])
+    with pytest.raises(ValueError, match="whole numbers"):
+        checked_boxes([[[0, 0.5], [4, 3], [10, 3]]], [(4, 3)])
+    with pytest.raises(ValueError, match="whole numbers"):
+        checked_boxes([[[0, 0], [4, 3], "10"]], [(4, 3)])
+
+
+def test_old_places_that_overlap_are_refused_where_they_would_hide_a_gap():
+    w = ("model", "w")
+    # old rank 1 says it holds rows 2-5 of 8 where it holds 4-7: rows 6-7 would stay unwritten
+    old = {0: {w: (((0,), (4,), (8,)), "torch.float32")},
+           1: {w: (((2,), (4,), (8,)), "torch.float32")}}  # fmt: skip
+    wanted = [{w: (((0,), (8,), (8,)), "torch.float32")}]
+    assert plan(old, wanted, (0, 0))[1] == ["model.w of rank 0"]
+    # Control: the places it holds
+    old[1] = {w: (((4,), (4,), (8,)), "torch.float32")}
+    assert plan(old, wanted, (0, 0))[1] == []
 
 
 def _timings(hidden: float, n: int = 16) -> tuple[list[float], list[bool], list[float]]:
