@@ -55,9 +55,12 @@ def in_place(stderr: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict:
-    """The memory environment (a job folder root of the module's), collectives of 60 s."""
+    """The memory environment (a job folder root of the module's), collectives of 60 s, and 60 s
+    for a rank to leave its step after a failure: on a machine loaded by other work a survivor can
+    take longer than the 10 s default, and would be killed and replaced where these tests count
+    its process as kept."""
     base = memory_environ(clean_environ(), tmp_path_factory.mktemp("memory"))
-    return base | {"DDPKIT_COLLECTIVE_TIMEOUT": "60"}
+    return base | {"DDPKIT_COLLECTIVE_TIMEOUT": "60", "DDPKIT_RECOVER_TIMEOUT": "60"}
 
 
 @pytest.fixture(scope="module")
