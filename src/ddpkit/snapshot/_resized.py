@@ -170,6 +170,33 @@ class OldWorld:
             raise slots_lib.BadSlot(f"rank {rank}'s own part of step {choice.step} went")
         return own, per_rank if rank == 0 else None
 
+    def _give(
+        self, choice: Choice, strategy: Strategy, check: Check, read: dict[int, Got]
+    ) -> dict[int, tuple[Any, Any, Any]]:
+        """The old ranks' states this rank gives (``choice.givers``), read into ``read`` from a
+        slot or a whole copy on its node, and what every rank is told of each: the places and
+        dtypes of its tensors, its own part, its values."""
+        size, position = choice.world_size, choice.position
+        assert size is not None
+        found, held = self.files()
+        paths = {(f.rank, f.position): f.path for f in found if f.world_size == size}
+        for h in held:
+            if h.world_size == size and not h.own_part:
+                paths.setdefault((h.rank, h.position), h.path)
+        for old in (r for r, giver in enumerate(choice.givers) if giver == self.store.rank):
+            whose = (old, position)
+            if whose not in paths:
+                raise slots_lib.BadSlot(f"rank {old}'s state of step {choice.step} went")
+            read[old] = self.store.read_slot(
+                paths[whose], strategy, check, size, sharded=True, whose=whose
+            )
+        told = {}
+        for old, (saved, dynamic, own) in read.items():
+            values = {k: dynamic[k] for k in ("param_groups", "states", "global_micro_batch")}
+            values["strategy_values"] = {tuple(p): v for p, v in dynamic["strategy_values"]}
+            told[old] = (layout_of(saved, dynamic["boxes"]), own, values)
+        return told
+
     def _read_sharded(
         self, choice: Choice, strategy: Strategy, check: Check
     ) -> tuple[Got | None, list[str]]:
@@ -179,34 +206,14 @@ class OldWorld:
         point). The values (parameter groups, states) old rank 0's; each value of the strategy's
         state the lowest old rank's that has it."""
         s = self.store
-        size, position = choice.world_size, choice.position
+        size = choice.world_size
         assert size is not None
         state = strategy.state_dict()
         mine = {p: v for p, v in leaves(state) if isinstance(v, torch.Tensor)}
         boxes = {p: box_of(v) for p, v in mine.items()}
         want = layout_of({p: local(v) for p, v in mine.items()}, boxes)
         read: dict[int, Got] = {}
-
-        def given() -> dict[int, tuple[Any, Any, Any]]:
-            found, held = self.files()
-            paths = {(f.rank, f.position): f.path for f in found if f.world_size == size}
-            for h in held:
-                if h.world_size == size and not h.own_part:
-                    paths.setdefault((h.rank, h.position), h.path)
-            for old in (r for r, giver in enumerate(choice.givers) if giver == s.rank):
-                if (old, position) not in paths:
-                    raise slots_lib.BadSlot(f"rank {old}'s state of step {choice.step} went")
-                whose = (old, position)
-                path = paths[whose]
-                read[old] = s.read_slot(path, strategy, check, size, sharded=True, whose=whose)
-            told = {}
-            for old, (saved, dynamic, own) in read.items():
-                values = {k: dynamic[k] for k in ("param_groups", "states", "global_micro_batch")}
-                values["strategy_values"] = {tuple(p): v for p, v in dynamic["strategy_values"]}
-                told[old] = (layout_of(saved, dynamic["boxes"]), own, values)
-            return told
-
-        told, problem = s.attempt(given, malformed=True)
+        told, problem = s.attempt(lambda: self._give(choice, strategy, check, read), malformed=True)
         answers: list[Any] = all_gather_object((problem, told, want), group=s.group)
         if problems := agreed([p for p, _, _ in answers]):
             return None, problems
