@@ -293,6 +293,35 @@ def _on(roots: list[str], job: functools.partial, ranks: int) -> dict:
     return run_on_ranks(job, ranks, env=_as_nodes(roots))[0]
 
 
+def _from_disk(
+    tmp: Path, strategy: str, step: int, before: int, after: list[int], **options: dict
+) -> tuple[dict, dict]:
+    """The reference of a resume at another world size: a disk snapshot of ``step`` taken on
+    ``before`` ranks (each a node of three), resumed on the nodes ``after``; its final state and
+    its resume event."""
+    disk = _roots(tmp, "disk", 3)
+    job = functools.partial(_trainer_job, disk, str(tmp / "disk"), strategy, 1, False, **options)
+    _on(disk, functools.partial(job, steps=step), before)
+    reference = _on([disk[r] for r in after], job, len(after))
+    (resumed,) = _resumes(tmp / "disk")
+    return reference, resumed
+
+
+def _damage_newest_copy(root: str, rank: int) -> int:
+    """Flip a bit in the data of the newest copy of ``rank``'s state held on the node ``root``;
+    its step."""
+    copies = {}
+    for path in Path(root, MEMORY).glob(f"*-replica{rank}-*.slot"):
+        if (got := sl.read_slot(path)) is not None:
+            copies[got[2]["step"]] = (path, got[0])
+    newest = max(copies)
+    path, record = copies[newest]
+    raw = bytearray(path.read_bytes())
+    raw[record.data[0] + 100] ^= 0x10
+    path.write_bytes(raw)
+    return newest
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("gone", [1, pytest.param(0, marks=SLOW)])
 def test_a_lost_nodes_ranks_resume_from_memory_at_the_smaller_world_size_as_from_disk(
@@ -321,11 +350,7 @@ def test_a_lost_nodes_ranks_resume_from_memory_at_the_smaller_world_size_as_from
     assert [p.name for r in left for p in Path(roots[r], MEMORY).glob("*.slot")] == []
     # The reference: a disk snapshot of the same step, taken on three ranks, resumed on two.
     step = event["step"]
-    disk = _roots(tmp_path, "disk", 3)
-    job = functools.partial(_trainer_job, disk, str(tmp_path / "disk"), "ddp", 1, False, **own)
-    _on(disk, functools.partial(job, steps=step), 3)
-    reference = _on([disk[r] for r in left], job, 2)
-    (resumed,) = _resumes(tmp_path / "disk")
+    reference, resumed = _from_disk(tmp_path, "ddp", step, 3, left, **own)
     assert resumed["step"] == step and resumed["world_size"] == 2
     assert resumed["file"].startswith("step-")
     assert _same(final, reference, "ddp")
@@ -364,11 +389,7 @@ def test_a_lost_nodes_shards_are_resharded_from_memory_at_the_smaller_world_size
     assert event["world_size"] == 2 and final["step"] == STEPS
     # The reference: a disk snapshot of the same step, taken on three ranks, resumed on two.
     step = event["step"]
-    disk = _roots(tmp_path, "disk", 3)
-    job = functools.partial(_trainer_job, disk, str(tmp_path / "disk"), strategy, 1, False)
-    _on(disk, functools.partial(job, steps=step), 3)
-    reference = _on([disk[0], disk[2]], job, 2)
-    (resumed,) = _resumes(tmp_path / "disk")
+    reference, resumed = _from_disk(tmp_path, strategy, step, 3, [0, 2])
     assert resumed["step"] == step and resumed["world_size"] == 2
     assert resumed["file"].startswith("step-")
     assert _same(final, reference, strategy)
@@ -403,25 +424,14 @@ def test_a_damaged_copy_of_an_old_ranks_shards_is_named_and_the_step_before_is_r
     with pytest.raises(Exception, match="planned failure"):
         run_on_ranks(functools.partial(lost, True), 3, env=_as_nodes(roots))
     _lose_node(roots[1])
-    copies = {}
-    for path in Path(roots[2], MEMORY).glob("*-replica1-*.slot"):
-        if (got := sl.read_slot(path)) is not None:
-            copies[got[2]["step"]] = (path, got[0])
-    newest = max(copies)
-    path, record = copies[newest]
-    raw = bytearray(path.read_bytes())
-    raw[record.data[0] + 100] ^= 0x10
-    path.write_bytes(raw)
+    newest = _damage_newest_copy(roots[2], 1)
     capfd.readouterr()
     final = _on([roots[0], roots[2]], functools.partial(lost, False), 2)
     said = capfd.readouterr()
     assert "fail their checksum" in said.out + said.err
     (event,) = _resumes(tmp_path / "lost")
     assert event["file"] == "memory (taken on 3 ranks)" and event["step"] == newest - 1, event
-    disk = _roots(tmp_path, "disk", 3)
-    job = functools.partial(_trainer_job, disk, str(tmp_path / "disk"), "fsdp", 1, False)
-    _on(disk, functools.partial(job, steps=newest - 1), 3)
-    reference = _on([disk[0], disk[2]], job, 2)
+    reference, _ = _from_disk(tmp_path, "fsdp", newest - 1, 3, [0, 2])
     assert _same(final, reference, "fsdp")
 
 
@@ -443,11 +453,7 @@ def test_a_node_that_joins_takes_its_shards_from_the_copies_in_memory(tmp_path, 
     print(f"\n{strategy}: 2 ranks stopped after step {KILL}, resumed on 3: {event}")
     assert event["file"] == "memory (taken on 2 ranks)" and event["step"] in (KILL - 1, KILL)
     step = event["step"]
-    disk = _roots(tmp_path, "disk", 3)
-    job = functools.partial(_trainer_job, disk, str(tmp_path / "disk"), strategy, 1, False)
-    _on(disk, functools.partial(job, steps=step), 2)
-    reference = _on(disk, job, 3)
-    (resumed,) = _resumes(tmp_path / "disk")
+    reference, resumed = _from_disk(tmp_path, strategy, step, 2, [0, 1, 2])
     assert resumed["step"] == step and resumed["world_size"] == 3
     assert resumed["file"].startswith("step-")
     assert _same(final, reference, strategy)
@@ -463,16 +469,7 @@ def test_a_damaged_copy_is_named_and_every_rank_passes_over_it(tmp_path, capfd):
     roots = _roots(tmp_path, "damaged")
     _train(tmp_path, "damaged", roots, "fsdp", 2, True)
     _lose_node(roots[1])
-    copies = {}
-    for path in Path(roots[0], MEMORY).glob("*-replica1-*.slot"):
-        got = sl.read_slot(path)
-        if got is not None:
-            copies[got[2]["step"]] = (path, got[0])
-    newest = max(copies)
-    path, record = copies[newest]
-    raw = bytearray(path.read_bytes())
-    raw[record.data[0] + 100] ^= 0x10
-    path.write_bytes(raw)
+    newest = _damage_newest_copy(roots[0], 1)
     final = _train(tmp_path, "damaged", roots, "fsdp", 2, False)
     (event,) = _resumes(tmp_path / "damaged")
     out = capfd.readouterr()
