@@ -435,6 +435,66 @@ def test_a_damaged_copy_of_an_old_ranks_shards_is_named_and_the_step_before_is_r
     assert _same(final, reference, "fsdp")
 
 
+def _killed_in_the_exchange_job(victim: int, marker: str, job: functools.partial) -> dict:
+    """``job``, with rank ``victim`` SIGKILLed in the reshard's exchange of pieces, once it has
+    posted its first send or receive (``marker`` written first)."""
+    import signal
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ["RANK"])
+    if rank == victim:
+        for name in ("isend", "irecv"):
+            real = getattr(dist, name)
+
+            def posted(*args, _real=real, **kwargs):
+                work = _real(*args, **kwargs)
+                Path(marker).write_text("posted")
+                os.kill(os.getpid(), signal.SIGKILL)
+                return work
+
+            setattr(dist, name, posted)
+    return job()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.torch_at_least(2, 7, "its fsdp job on the CPU")
+@pytest.mark.parametrize("again", ["on-both", "node-2-lost-too"])
+def test_a_rank_killed_in_the_reshards_exchange_leaves_the_old_copies_for_the_next_attempt(
+    tmp_path, again
+):
+    """Node 1 of 3 lost under ``fsdp`` (``replicas=3``: every node holds every rank's state), and
+    the rank of node 2 SIGKILLed in the middle of the exchange that reshards the copies onto two
+    ranks. The old world's copies are left whole by the failed attempt: the next one (on the same
+    two nodes, or on node 0 alone with node 2 lost too) reshards the same step, as a disk snapshot
+    of it resumes there, bitwise."""
+    roots = _roots(tmp_path, "lost", 3)
+    lost = functools.partial(_trainer_job, roots, str(tmp_path / "lost"), "fsdp", 3)
+    with pytest.raises(Exception, match="planned failure"):
+        run_on_ranks(functools.partial(lost, True), 3, env=_as_nodes(roots))
+    _lose_node(roots[1])
+    marker = tmp_path / "in-exchange"
+    killed = functools.partial(
+        _killed_in_the_exchange_job, 1, str(marker), functools.partial(lost, False)
+    )
+    with pytest.raises(Exception, match="SIGKILL|signal 9|Connection"):
+        run_on_ranks(killed, 2, env=_as_nodes([roots[0], roots[2]]))
+    assert marker.exists(), "rank 1 was not killed in the exchange"
+    assert _resumes(tmp_path / "lost") == []  # the killed attempt resumed nothing
+    after = [0, 2]
+    if again == "node-2-lost-too":
+        _lose_node(roots[2])
+        after = [0]
+    final = _on([roots[r] for r in after], functools.partial(lost, False), len(after))
+    (event,) = _resumes(tmp_path / "lost")
+    print(f"\nkilled in the exchange, then {again}: {event}")
+    assert event["file"] == "memory (taken on 3 ranks)" and event["step"] in (KILL - 1, KILL)
+    assert event["world_size"] == len(after) and final["step"] == STEPS
+    reference, _ = _from_disk(tmp_path, "fsdp", event["step"], 3, after)
+    assert _same(final, reference, "fsdp")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.torch_at_least(2, 7, "its fsdp job on the CPU")
