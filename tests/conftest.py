@@ -161,12 +161,12 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
     from ddpkit.strategies._fsdp import FSDP_ON_CPU
 
     for item in items:
-        # The hang guard of the job tiers: their tests wait on jobs with deadlines of their own, which
-        # fail naming what did not happen and showing the logs; a loaded machine (CI runs two of them
-        # at once beside other work) can take a whole job past pyproject's 120 s, and the guard must
-        # not cut such a test short of its own diagnosis. A test's own timeout mark stands.
-        if item.get_closest_marker("timeout") is None and (
-            item.get_closest_marker("slow") or item.get_closest_marker("heavy")
+        # The hang guard of the job tiers: their tests wait on jobs with deadlines of their own,
+        # which fail naming what did not happen and showing the logs; a loaded machine (CI runs two
+        # of them at once beside other work) can take a whole job past pyproject's 120 s, and the
+        # guard must not cut such a test short of its own diagnosis. A test's own mark stands.
+        if item.get_closest_marker("timeout") is None and any(
+            item.get_closest_marker(tier) for tier in ("slow", "heavy", "gpu")
         ):
             item.add_marker(pytest.mark.timeout(JOB_TIER_TIMEOUT))
         marker = item.get_closest_marker("torch_at_least")
