@@ -5,9 +5,13 @@ attempt (while a test takes a node away again), and a node lost in the middle of
 Test hooks live here, not in ddpkit. ``--kill-in-transfer RANK STEP``: on the first attempt, RANK's
 transfer of its copy of STEP sends its first piece (pieces of 4 KiB, on every rank), writes
 ``in-transfer-rankR`` in the log folder and waits there: the test then takes its node away.
+``--stop-in-exchange RANK``: the first time RANK reshards copies taken at another world size, it
+writes ``stopped-in-exchange-rankR`` in the log folder once it has posted its first send or receive
+of the pieces, and stops itself (SIGSTOP).
 
     python -m tests.jobs.scripts.replica_job RUN_DIR --log DIR [memory_job's options]
         [--replicas K] [--hold-at ATTEMPT STEP FILE]... [--kill-in-transfer RANK STEP]
+        [--stop-in-exchange RANK]
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -22,7 +27,7 @@ from typing import Any
 
 import tests.jobs.scripts.memory_job as memory_job
 import tests.jobs.scripts.train_job as train_job
-from ddpkit.snapshot import _replicas
+from ddpkit.snapshot import _replicas, _resized
 from ddpkit.training._config import SnapshotConfig
 
 
@@ -66,12 +71,48 @@ def kill_in_transfer(rank: int, step: int, log: str) -> None:
     _replicas.Courier._exchange_chunk = stopping  # type: ignore[method-assign]
 
 
+def stop_in_exchange(rank: int, log: str) -> None:
+    """The first time ``rank`` reshards copies of another world size, it stops itself (SIGSTOP)
+    once it has posted its first send or receive of the pieces."""
+    exchange = _resized.exchange
+    if getattr(exchange, "planted", False):
+        return
+    import torch.distributed as dist
+
+    def stopping(pieces: Any, givers: Any, me: int, *args: Any) -> None:
+        flag = Path(log, f"stopped-in-exchange-rank{rank}")
+        if me != rank or flag.exists():
+            return exchange(pieces, givers, me, *args)
+        posts = {name: getattr(dist, name) for name in ("isend", "irecv")}
+
+        def stop_after(post: Any) -> Any:
+            def posted(*a: Any, **kw: Any) -> Any:
+                work = post(*a, **kw)
+                flag.write_text(str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGSTOP)
+                return work
+
+            return posted
+
+        for name, post in posts.items():
+            setattr(dist, name, stop_after(post))
+        try:
+            return exchange(pieces, givers, me, *args)
+        finally:
+            for name, post in posts.items():
+                setattr(dist, name, post)
+
+    stopping.planted = True  # type: ignore[attr-defined]
+    _resized.exchange = stopping  # type: ignore[assignment]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--replicas", type=int, default=None)
     p.add_argument("--hold-at", nargs=3, action="append", default=[],
                    metavar=("ATTEMPT", "STEP", "FILE"))  # fmt: skip
     p.add_argument("--kill-in-transfer", type=int, nargs=2, default=None, metavar=("RANK", "STEP"))
+    p.add_argument("--stop-in-exchange", type=int, default=None, metavar="RANK")
     p.add_argument("--log", required=True)
     a, rest = p.parse_known_args()
     if a.replicas is not None:
@@ -83,6 +124,8 @@ def main() -> None:
     if a.kill_in_transfer is not None:
         _replicas.CHUNK = 4096
         kill_in_transfer(*a.kill_in_transfer, a.log)
+    if a.stop_in_exchange is not None:
+        stop_in_exchange(a.stop_in_exchange, a.log)
     argv = sys.argv
     sys.argv = [argv[0], *rest, "--log", a.log]  # memory_job reads its own options
     try:

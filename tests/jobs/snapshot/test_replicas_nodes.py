@@ -284,39 +284,80 @@ def test_two_of_three_nodes_lost_at_once_are_healed_from_three_copies(tmp_path, 
     assert "more nodes lost at once than replicas=2 covers" in job.output(0)
 
 
+def _lose_b_for_good(
+    tmp: Path,
+    nodes: list,
+    name: str,
+    port: int,
+    strategy: str,
+    *extra: str,
+    written: int | None = None,
+) -> tuple[dict, Job]:
+    """Three nodes of one rank (the third a second agent in node a's namespace), ``--nnodes 2:3``;
+    node b lost after step 15 and no new node: the job goes on at two ranks. Its final state, and
+    the job."""
+    (ns_a, addr), (ns_b, _) = nodes
+    job_args = ("--strategy", strategy, "--no-sync-bn", "--global-batch", "24")
+    # past torch's keep-alive (15 s), the lost node is out of the rendezvous the survivors form
+    launch = ("--nnodes", "2:3", "--join-timeout", "20", "--rdzv-conf", "last_call_timeout=2")
+    job = Job(tmp, name, addr, port, [ns_a, ns_b, ns_a], *job_args, *extra, "--hold-after-step",
+              "15", "--hold-file", str(tmp / f"{name}-go"), launch=launch)  # fmt: skip
+    _lose_node_after_step(job, 15, 1, new=False, written=written)
+    return job.finish(), job
+
+
+def _resumed_on_two(run_dir: Path) -> list[dict]:
+    return [r for r in _records(run_dir, "resume") if r["world_size"] == 2]
+
+
+DISK_14 = ("--replicas", "1", "--disk-every-steps", "14")
+"""Copies off, a disk snapshot of step 14 (the loss waits for it to be whole: written=14)."""
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("strategy, port", [("ddp", 29459), ("fsdp", 29463)])
 def test_a_node_lost_with_none_to_replace_it_goes_on_smaller_from_memory_as_from_disk(
     tmp_path, nodes, strategy, port
 ):
-    """Three nodes of one rank (the third a second agent in node a's namespace), ``--nnodes 2:3``;
-    node b lost after step 15 and no new node. Past ``--join-timeout`` the job restarts on the two
-    left and resumes from the copies in memory taken on three ranks (under ``ddp`` node b's rank's
-    own part from node c's copy of it; under ``fsdp`` its shards, resharded with the others over
-    two ranks), as from a disk snapshot of that step: bitwise. The control, copies off, goes back
-    to that disk snapshot."""
-    (ns_a, addr), (ns_b, _) = nodes
-    job_args = ("--strategy", strategy, "--no-sync-bn", "--global-batch", "24")
-    # past torch's keep-alive (15 s), the lost node is out of the rendezvous the survivors form
-    launch = ("--nnodes", "2:3", "--join-timeout", "20", "--rdzv-conf", "last_call_timeout=2")
-    hold = ("--hold-after-step", "15", "--hold-file")
-
-    def lose_b(name: str, port: int, *extra: str, written: int | None = None) -> tuple[dict, Job]:
-        job = Job(tmp_path, name, addr, port, [ns_a, ns_b, ns_a], *job_args, *extra, *hold,
-                  str(tmp_path / f"{name}-go"), launch=launch)  # fmt: skip
-        _lose_node_after_step(job, 15, 1, new=False, written=written)
-        return job.finish(), job
-
-    final, job = lose_b("smaller", port)
-    (resumed,) = [r for r in _records(tmp_path / "smaller", "resume") if r["world_size"] == 2]
+    """Node b of three lost after step 15 and no new node (:func:`_lose_b_for_good`). Past
+    ``--join-timeout`` the job restarts on the two left and resumes from the copies in memory taken
+    on three ranks (under ``ddp`` node b's rank's own part from node c's copy of it; under ``fsdp``
+    its shards, resharded with the others over two ranks), as from a disk snapshot of that step:
+    bitwise. The control, copies off, goes back to that disk snapshot."""
+    final, job = _lose_b_for_good(tmp_path, nodes, "smaller", port, strategy)
+    (resumed,) = _resumed_on_two(tmp_path / "smaller")
     print(f"\nnode b of 3 lost after step 15, none to replace it: {resumed}")
     assert resumed["file"] == "memory (taken on 3 ranks)" and resumed["step"] == 14
     assert "resuming a 3-rank snapshot on 2 ranks" in job.output(0)
     # Control and reference: copies off, a disk snapshot of step 14; the same loss resumes there.
-    # (the loss waits for that snapshot, written in the background, to be whole)
-    disk = ("--replicas", "1", "--disk-every-steps", "14")
-    reference, job = lose_b("disk", port + 1, *disk, written=14)
-    (resumed,) = [r for r in _records(tmp_path / "disk", "resume") if r["world_size"] == 2]
+    reference, job = _lose_b_for_good(
+        tmp_path, nodes, "disk", port + 1, strategy, *DISK_14, written=14
+    )
+    (resumed,) = _resumed_on_two(tmp_path / "disk")
     assert resumed["file"].startswith("step-") and resumed["step"] == 14, resumed
+    assert _same(final, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.torch_at_least(2, 7, "its fsdp job on the CPU")
+def test_a_rank_stopped_in_the_reshards_exchange_is_killed_and_the_same_step_resharded(
+    tmp_path, nodes
+):
+    """Node b of three lost under ``fsdp`` with none to replace it, and rank 1 of the two left
+    stopped (SIGSTOP) once it has posted its first piece of the reshard: its stop is named, it is
+    killed, and the copies taken on three ranks are resharded again, to the bits of a disk snapshot
+    of the same step resumed on two."""
+    final, job = _lose_b_for_good(
+        tmp_path, nodes, "stopped", 29465, "fsdp", "--stop-in-exchange", "1"
+    )
+    assert (tmp_path / "stopped-log" / "stopped-in-exchange-rank1").exists()
+    output = job.output(0)
+    assert "stopped (SIGSTOP)" in output, output[-5000:]
+    resumed = _resumed_on_two(tmp_path / "stopped")
+    print(f"\nrank 1 stopped in the reshard's exchange: {resumed}")
+    assert resumed and all(r["file"] == "memory (taken on 3 ranks)" for r in resumed), resumed
+    assert resumed[-1]["step"] == 14
+    reference, _ = _lose_b_for_good(tmp_path, nodes, "disk", 29466, "fsdp", *DISK_14, written=14)
     assert _same(final, reference)
