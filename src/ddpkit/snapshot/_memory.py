@@ -178,6 +178,7 @@ class MemoryStore:
                 slots.folder, job=slots.job, run=slots.run, world_size=self.world_size,
                 sources=placement.sources(self.rank),
             )  # fmt: skip
+            self.copies.make_room = self._make_room
             self.courier = replicas_lib.Courier(
                 placement, self.rank, self.world_size, _gloo_group(group), self.copies
             )
@@ -225,7 +226,12 @@ class MemoryStore:
         step, payload, commit = -1, None, None
         if self.enabled:
             try:
-                step, payload, commit = self._save(parts, keep=send)
+                try:
+                    step, payload, commit = self._save(parts, keep=send)
+                except slots_lib.MemoryUnavailable:
+                    if not self._make_room():
+                        raise
+                    step, payload, commit = self._save(parts, keep=send)
             except slots_lib.MemoryUnavailable as err:
                 self.enabled = False
                 _warn(f"snapshots in memory stop on rank {self.rank} ({err}); disk snapshots go on")
@@ -242,6 +248,25 @@ class MemoryStore:
         self.waits.append(waited)
         if len(self.stalls) >= 2 * KEPT_TIMES:  # a long run's: bounded
             del self.stalls[:KEPT_TIMES], self.waits[:KEPT_TIMES]
+
+    def _make_room(self) -> bool:
+        """Memory full while this node still holds the files of this run at another world size
+        (kept until this world holds a whole copy of its own, for a failure before then): remove
+        them, saying so; True if there were any (the write is worth one more try). Called from the
+        transfer's thread too: two calls at once at worst remove the same files twice."""
+        if self._swept:
+            return False
+        self._swept = True
+        found, held = self.old_world.files()
+        if not found and not held:
+            return False
+        self.old_world.sweep()
+        _warn(
+            f"rank {self.rank}: memory full: the copies in memory of this run at another world "
+            "size removed from this node to make room for this world's (until this world holds a "
+            "whole copy of its own, a failure may resume from the disk)"
+        )
+        return True
 
     def _before_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Before an optimizer step: the copies of the step before whole on the other nodes, so that

@@ -128,6 +128,8 @@ class ReplicaFiles:
         }
         self.full: str | None = None
         """Why a copy could not be kept (memory full), once that happened."""
+        self.make_room: Callable[[], bool] = lambda: False
+        """Called once memory is full: True if it freed some (the copy is then tried again)."""
         self._known: dict[int, dict[str, Any]] = {}  # each source's manifest last checked
         self.damaged: list[str] = []
         """What :meth:`found` last found wrong with whole copies it left out."""
@@ -165,7 +167,7 @@ class ReplicaFiles:
         copies = self.copies[source]
         copy = min(copies, key=lambda c: (c.position is not None, c.position or ()))
         head = torch.empty(slots_lib.HEADER, dtype=torch.uint8)
-        if self.full is None:
+        while self.full is None:
             try:
                 if copy.mapped is None or copy.mapped.numel() != size:
                     copy.close()
@@ -176,7 +178,8 @@ class ReplicaFiles:
                 return Arrival(source, head, copy.mapped, copy)
             except (slots_lib.MemoryUnavailable, OSError) as err:
                 copy.close()
-                self.full = str(err)
+                if not self.make_room():
+                    self.full = str(err)
         scratch = torch.empty(max(size, slots_lib.HEADER), dtype=torch.uint8)
         return Arrival(source, head, scratch, None)
 

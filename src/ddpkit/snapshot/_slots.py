@@ -441,12 +441,12 @@ class Slots:
         """The older slot, mapped for ``manifest`` and made not whole, and its commit: the
         checksums of its data, its values, then its record (``end`` last)."""
         slot = self._target()
-        if keep:
-            self.kept = slot
         ids = {"job": self.job, "run": self.run, "rank": self.rank, "world_size": self.world_size}
         value_bytes = json.dumps(ids | values).encode()
         if slot.layout_id != layout_id or len(value_bytes) > slot.values_capacity:
             self._map(slot, manifest, layout_id, len(value_bytes))
+        if keep:  # once mapped: a save that found memory full leaves the choice of slot as it was
+            self.kept = slot
         fd = slot.fd
         assert fd is not None and slot.region is not None  # mapped above
         self.generation += 1
@@ -488,6 +488,7 @@ class Slots:
     ) -> None:
         """(Re)make ``slot``'s file for a new layout (:func:`map_file`)."""
         slot.close()
+        slot.record = None  # its file is made again: not whole, even where this fails
         slot.manifest_bytes = json.dumps(manifest).encode()
         data_size = manifest["data_size"]
         slot.values_capacity = max(1 << 16, 4 * values_len)

@@ -7,10 +7,12 @@ test_replicas_nodes`."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -493,6 +495,74 @@ def test_a_rank_killed_in_the_reshards_exchange_leaves_the_old_copies_for_the_ne
     assert event["world_size"] == len(after) and final["step"] == STEPS
     reference, _ = _from_disk(tmp_path, "fsdp", event["step"], 3, after)
     assert _same(final, reference, "fsdp")
+
+
+@contextlib.contextmanager
+def _memory_of(roots: list[str], kib: list[int]):
+    """Each node ``roots[i]``'s memory folder a tmpfs of ``kib[i]`` KiB, holding what it held."""
+    mounted = []
+    try:
+        for root, size in zip(roots, kib):
+            memory = Path(root) / MEMORY
+            kept = Path(f"{root}-kept")
+            shutil.copytree(memory, kept)
+            made = subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={size}k", "tmpfs", str(memory)],
+                capture_output=True, text=True,
+            )  # fmt: skip
+            if made.returncode != 0:
+                pytest.skip(f"a tmpfs of a set size cannot be mounted here: {made.stderr.strip()}")
+            mounted.append(memory)
+            for f in kept.iterdir():
+                shutil.copy2(f, memory / f.name)
+        yield
+    finally:
+        for memory in mounted:
+            subprocess.run(["umount", str(memory)], check=True)
+
+
+def _used_kib(root: str) -> int:
+    return sum(f.stat().st_size for f in (Path(root) / MEMORY).iterdir()) // 1024
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.torch_at_least(2, 7, "its fsdp job on the CPU")
+def test_the_old_worlds_copies_make_room_for_the_new_worlds_when_memory_is_full(tmp_path, capfd):
+    """Node 1 of 3 lost under ``fsdp``, and each node left with room for the old world's files and
+    100 KiB more, less than the world of two's copies need beside them (though enough for them
+    alone: the control). Resumed on two from the old world's copies, the first copy that finds
+    memory full removes them, saying so, and the copies go on, to the bits of an uninterrupted
+    run's."""
+    roots = _roots(tmp_path, "lost", 3)
+    lost = functools.partial(_trainer_job, roots, str(tmp_path / "lost"), "fsdp", 2)
+    with pytest.raises(Exception, match="planned failure"):
+        run_on_ranks(functools.partial(lost, True), 3, env=_as_nodes(roots))
+    _lose_node(roots[1])
+    left = [roots[0], roots[2]]
+    kib = [_used_kib(root) + 100 for root in left]
+    capfd.readouterr()
+    with _memory_of(left, kib):
+        final = _on(left, functools.partial(lost, False), 2)
+    said = capfd.readouterr()
+    lines = said.out + said.err
+    assert lines.count("removed from this node to make room for this world's") == 2, lines
+    assert "snapshots in memory stop" not in lines
+    (event,) = _resumes(tmp_path / "lost")
+    assert event["file"] == "memory (taken on 3 ranks)" and event["world_size"] == 2
+    assert final["copying"] and final["step"] == STEPS
+    reference, _ = _from_disk(tmp_path, "fsdp", event["step"], 3, [0, 2])
+    assert _same(final, reference, "fsdp")
+    # Control: a world of two alone keeps its copies in the same room.
+    fresh = _roots(tmp_path, "fresh", 2)
+    with _memory_of(fresh, kib):
+        alone = _on(
+            fresh,
+            functools.partial(_trainer_job, fresh, str(tmp_path / "fresh"), "fsdp", 2, False),
+            2,
+        )
+    said = capfd.readouterr()
+    assert alone["copying"] and "snapshots in memory stop" not in said.out + said.err
 
 
 @pytest.mark.slow

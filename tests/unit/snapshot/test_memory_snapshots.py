@@ -115,6 +115,25 @@ def test_a_full_memory_raises_before_any_page_is_touched_and_keeps_the_other_slo
         assert len(list(folder.glob("*.slot"))) == 1  # the failed slot's file is gone
 
 
+def test_a_save_that_found_memory_full_and_is_tried_again_keeps_the_newest_slot(tmp_path):
+    """Memory full at a new layout (the older slot's file made again, and refused): once room is
+    made, the save tried again goes to that slot, and the newest whole one stays whole. Control:
+    the slot refused is not whole any more (its file is gone), though it was before."""
+    with small_tmpfs(tmp_path / "shm", "2m") as folder:
+        st = store(folder)
+        save(st, 1, [torch.ones(8)])
+        save(st, 2, [torch.ones(8)])
+        assert sorted(f.step for f in st.found()) == [1, 2]
+        filler = folder / "filler"
+        filler.write_bytes(bytes(1536 << 10))
+        with pytest.raises(ms.MemoryUnavailable):
+            save(st, 3, [torch.ones(1 << 18)])  # 1 MiB: the older slot (step 1) made again
+        assert [f.step for f in st.found()] == [2]
+        filler.unlink()  # room made
+        save(st, 3, [torch.ones(1 << 18)])
+        assert sorted(f.step for f in st.found()) == [2, 3]
+
+
 def test_a_memory_too_small_for_two_copies_of_the_model_is_said_with_the_volume_to_mount(tmp_path):
     """A container's 64 MiB /dev/shm, played by a 1 MiB tmpfs: 2 MiB needed is warned of, naming
     Kubernetes' emptyDir of medium Memory and Docker's --shm-size; 512 KiB needed (the control) is
