@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -171,6 +172,9 @@ class MemoryStore:
         self.courier: replicas_lib.Courier | None = None
         self._strategy = strategy
         self.old_world = OldWorld(self)
+        found, held = self.old_world.files()
+        self._old_at_start = bool(found or held)  # a restart at another world size left files
+        self._room = threading.Lock()
         self._hooks: list[Any] = []
         self._stream: Any = None  # the side stream of copies from a GPU
         if placement is not None:
@@ -221,8 +225,9 @@ class MemoryStore:
             self._sent.append(send and self.courier is not None)
         waited = self._settle()  # the copy before whole everywhere (mostly settled by the step)
         if not self._swept and (self._carried if self.placement is not None else self._calls > 1):
-            self._swept = True  # this world holds a whole copy of its own
-            self.old_world.sweep()
+            with self._room:
+                self._swept = True  # this world holds a whole copy of its own
+                self.old_world.sweep()
         step, payload, commit = -1, None, None
         if self.enabled:
             try:
@@ -250,23 +255,24 @@ class MemoryStore:
             del self.stalls[:KEPT_TIMES], self.waits[:KEPT_TIMES]
 
     def _make_room(self) -> bool:
-        """Memory full while this node still holds the files of this run at another world size
-        (kept until this world holds a whole copy of its own, for a failure before then): remove
-        them, saying so; True if there were any (the write is worth one more try). Called from the
-        transfer's thread too: two calls at once at worst remove the same files twice."""
-        if self._swept:
-            return False
-        self._swept = True
-        found, held = self.old_world.files()
-        if not found and not held:
-            return False
-        self.old_world.sweep()
-        _warn(
-            f"rank {self.rank}: memory full: the copies in memory of this run at another world "
-            "size removed from this node to make room for this world's (until this world holds a "
-            "whole copy of its own, a failure may resume from the disk)"
-        )
-        return True
+        """Memory full: the files of this run at another world size on this node (kept until this
+        world holds a whole copy of its own, for a failure before then) removed, saying so; True
+        where this node held them when this world started (they are gone now, removed here, by
+        another rank of the node or by the transfer's thread: a write is worth one more try).
+        From the training thread and the transfer's."""
+        with self._room:
+            if not self._swept:
+                self._swept = True
+                found, held = self.old_world.files()
+                if found or held:
+                    self.old_world.sweep()
+                    _warn(
+                        f"rank {self.rank}: memory full: the copies in memory of this run at "
+                        "another world size removed from this node to make room for this world's "
+                        "(until this world holds a whole copy of its own, a failure may resume "
+                        "from the disk)"
+                    )
+        return self._old_at_start
 
     def _before_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Before an optimizer step: the copies of the step before whole on the other nodes, so that

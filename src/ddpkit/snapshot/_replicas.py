@@ -129,7 +129,8 @@ class ReplicaFiles:
         self.full: str | None = None
         """Why a copy could not be kept (memory full), once that happened."""
         self.make_room: Callable[[], bool] = lambda: False
-        """Called once memory is full: True if it freed some (the copy is then tried again)."""
+        """Called where memory is full: True if room may have been made (the copy is tried once
+        more)."""
         self._known: dict[int, dict[str, Any]] = {}  # each source's manifest last checked
         self.damaged: list[str] = []
         """What :meth:`found` last found wrong with whole copies it left out."""
@@ -167,7 +168,9 @@ class ReplicaFiles:
         copies = self.copies[source]
         copy = min(copies, key=lambda c: (c.position is not None, c.position or ()))
         head = torch.empty(slots_lib.HEADER, dtype=torch.uint8)
-        while self.full is None:
+        for again in (False, True):
+            if self.full is not None:
+                break
             try:
                 if copy.mapped is None or copy.mapped.numel() != size:
                     copy.close()
@@ -178,7 +181,7 @@ class ReplicaFiles:
                 return Arrival(source, head, copy.mapped, copy)
             except (slots_lib.MemoryUnavailable, OSError) as err:
                 copy.close()
-                if not self.make_room():
+                if again or not self.make_room():
                     self.full = str(err)
         scratch = torch.empty(max(size, slots_lib.HEADER), dtype=torch.uint8)
         return Arrival(source, head, scratch, None)
