@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import threading
 import time
@@ -172,9 +173,7 @@ class MemoryStore:
         self.courier: replicas_lib.Courier | None = None
         self._strategy = strategy
         self.old_world = OldWorld(self)
-        found, held = self.old_world.files()
-        self._old_at_start = bool(found or held)  # a restart at another world size left files
-        self._room = threading.Lock()
+        self._room = threading.Lock()  # the old world's files removed by one thread at a time
         self._hooks: list[Any] = []
         self._stream: Any = None  # the side stream of copies from a GPU
         if placement is not None:
@@ -233,8 +232,8 @@ class MemoryStore:
             try:
                 try:
                     step, payload, commit = self._save(parts, keep=send)
-                except slots_lib.MemoryUnavailable:
-                    if not self._make_room():
+                except slots_lib.MemoryFull as full:
+                    if not self._make_room(full.needed):
                         raise
                     step, payload, commit = self._save(parts, keep=send)
             except slots_lib.MemoryUnavailable as err:
@@ -254,25 +253,29 @@ class MemoryStore:
         if len(self.stalls) >= 2 * KEPT_TIMES:  # a long run's: bounded
             del self.stalls[:KEPT_TIMES], self.waits[:KEPT_TIMES]
 
-    def _make_room(self) -> bool:
-        """Memory full: the files of this run at another world size on this node (kept until this
-        world holds a whole copy of its own, for a failure before then) removed, saying so; True
-        where this node held them when this world started (they are gone now, removed here, by
-        another rank of the node or by the transfer's thread: a write is worth one more try).
-        From the training thread and the transfer's."""
+    def _make_room(self, needed: int) -> bool:
+        """Memory full for a file of ``needed`` bytes: where removing the files of this run at
+        another world size on this node (kept until this world holds a whole copy of its own, for
+        a failure before then) makes room for it, remove them, saying so. True where the write is
+        worth one more try: room made here, or meanwhile (by another rank of the node, or by the
+        other of the training and the transfer's thread). Each node decides for itself."""
         with self._room:
-            if not self._swept:
-                self._swept = True
-                found, held = self.old_world.files()
-                if found or held:
-                    self.old_world.sweep()
-                    _warn(
-                        f"rank {self.rank}: memory full: the copies in memory of this run at "
-                        "another world size removed from this node to make room for this world's "
-                        "(until this world holds a whole copy of its own, a failure may resume "
-                        "from the disk)"
-                    )
-        return self._old_at_start
+            try:
+                free = _free_bytes(self.slots.folder)
+                if free >= needed:
+                    return True
+                old = self.old_world.removable()
+                if not old or free + sum(_size(p) for p in old) < needed:
+                    return False  # nothing to remove, or not enough: kept for a failure
+                self.old_world.sweep(old)
+            except OSError:
+                return False
+        _warn(
+            f"rank {self.rank}: memory full: the copies in memory of this run at another world "
+            f"size removed from this node ({len(old)} files) to make room for this world's (until "
+            "this world holds a whole copy of its own, a failure may resume from the disk)"
+        )
+        return True
 
     def _before_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Before an optimizer step: the copies of the step before whole on the other nodes, so that
@@ -812,3 +815,17 @@ class _Plan:
     watch: _Watch
     signature: tuple[Any, ...]
     ident: int
+
+
+def _free_bytes(folder: Path) -> int:
+    """The bytes a file in ``folder`` may still take (its file system's, for an unprivileged
+    user)."""
+    st = os.statvfs(folder)
+    return st.f_bavail * st.f_frsize
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0

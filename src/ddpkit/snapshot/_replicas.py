@@ -128,9 +128,9 @@ class ReplicaFiles:
         }
         self.full: str | None = None
         """Why a copy could not be kept (memory full), once that happened."""
-        self.make_room: Callable[[], bool] = lambda: False
-        """Called where memory is full: True if room may have been made (the copy is tried once
-        more)."""
+        self.make_room: Callable[[int], bool] = lambda needed: False
+        """Called where memory is full for a copy of ``needed`` bytes: True if room may have been
+        made (the copy is tried once more)."""
         self._known: dict[int, dict[str, Any]] = {}  # each source's manifest last checked
         self.damaged: list[str] = []
         """What :meth:`found` last found wrong with whole copies it left out."""
@@ -179,10 +179,13 @@ class ReplicaFiles:
                     os.pwrite(copy.fd, bytes(slots_lib.HEADER), 0)  # type: ignore[arg-type]
                 copy.position = None
                 return Arrival(source, head, copy.mapped, copy)
+            except slots_lib.MemoryFull as err:
+                copy.close()
+                if again or not self.make_room(err.needed):
+                    self.full = str(err)
             except (slots_lib.MemoryUnavailable, OSError) as err:
                 copy.close()
-                if again or not self.make_room():
-                    self.full = str(err)
+                self.full = str(err)
         scratch = torch.empty(max(size, slots_lib.HEADER), dtype=torch.uint8)
         return Arrival(source, head, scratch, None)
 

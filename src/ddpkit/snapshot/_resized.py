@@ -18,6 +18,7 @@ import contextlib
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -81,20 +82,24 @@ class OldWorld:
                     by_size[kind].setdefault(str(x.rank), []).append(x.position)
         return sizes
 
-    def sweep(self) -> None:
-        """Remove the old worlds' files on this node, but those under a name this world's ranks of
-        the node write (they overwrite them; one removed could be one a rank has just made
-        again). Every rank of the node may remove a file."""
+    def removable(self) -> list[Path]:
+        """The old worlds' files on this node but those under a name this world's ranks of the
+        node write (they overwrite them; one removed could be one a rank has just made again)."""
         s = self.store
         ours = {f"{s.slots.run}-rank{r}-" for r in s.node}
         if s.placement is not None:
             ours |= {f"{s.slots.run}-replica{p}-" for r in s.node
                      for p in s.placement.sources(r)}  # fmt: skip
         found, held = self.files()
-        for path in [f.path for f in found] + [h.path for h in held]:
-            if path.name.rpartition("-")[0] + "-" not in ours:
-                with contextlib.suppress(OSError, ConfigError):
-                    fs.remove(path)
+        paths = [f.path for f in found] + [h.path for h in held]
+        return [p for p in paths if p.name.rpartition("-")[0] + "-" not in ours]
+
+    def sweep(self, paths: list[Path] | None = None) -> None:
+        """Remove ``paths`` (by default :meth:`removable`). Every rank of the node may remove a
+        file."""
+        for path in self.removable() if paths is None else paths:
+            with contextlib.suppress(OSError, ConfigError):
+                fs.remove(path)
 
     def read(
         self, choice: Choice, strategy: Strategy, check: Check

@@ -54,6 +54,14 @@ class MemoryUnavailable(RuntimeError):
     """Shared memory cannot hold the snapshot (full, or the folder gone)."""
 
 
+class MemoryFull(MemoryUnavailable):
+    """No room for a file of ``needed`` bytes in the job's memory folder (ENOSPC, ENOMEM, EFBIG)."""
+
+    def __init__(self, message: str, needed: int) -> None:
+        super().__init__(message)
+        self.needed = needed
+
+
 class BadSlot(ValueError):
     """A whole slot that does not check: its message names the slot and what is wrong."""
 
@@ -562,8 +570,8 @@ class Slots:
 def map_file(path: Path, size: int, folder: Path) -> tuple[int, torch.Tensor]:
     """A file of ``size`` bytes (at least one) at ``path``, its header zeroed (not whole, whatever
     it held), open and mapped: (its descriptor, its bytes). Its pages are reserved
-    (``posix_fallocate``) before they are mapped, so a full memory is :class:`MemoryUnavailable`
-    here, never SIGBUS in a copy."""
+    (``posix_fallocate``) before they are mapped, so a full memory is :class:`MemoryFull` here,
+    never SIGBUS in a copy."""
     size = max(size, HEADER + 1)
     try:
         fd = fs.open_fd(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -578,8 +586,9 @@ def map_file(path: Path, size: int, folder: Path) -> tuple[int, torch.Tensor]:
         with contextlib.suppress(OSError, ConfigError):
             fs.remove(path)
         if err.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-            raise MemoryUnavailable(
-                f"no room for {size / 2**20:.1f} MiB in {folder} ({err.strerror}): " + MOUNT_MORE
+            raise MemoryFull(
+                f"no room for {size / 2**20:.1f} MiB in {folder} ({err.strerror}): " + MOUNT_MORE,
+                size,
             ) from None
         raise MemoryUnavailable(f"cannot make {path}: {err.strerror}") from None
     storage = torch.UntypedStorage.from_file(str(path), shared=True, nbytes=size)

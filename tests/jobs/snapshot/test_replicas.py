@@ -12,7 +12,6 @@ import functools
 import json
 import os
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from ddpkit.distributed._channels import JOB_DIR_ENV, MEMORY
 from ddpkit.snapshot import _replicas as rl
 from ddpkit.snapshot import _slots as sl
 from ddpkit.testing import run_on_ranks
+from tests.tmpfs import small_tmpfs
 from tests.trainer_checks import rank_differences
 
 # -- the transfer ----------------------------------------------------------------------------------
@@ -500,29 +500,46 @@ def test_a_rank_killed_in_the_reshards_exchange_leaves_the_old_copies_for_the_ne
 @contextlib.contextmanager
 def _memory_of(roots: list[str], kib: list[int]):
     """Each node ``roots[i]``'s memory folder a tmpfs of ``kib[i]`` KiB, holding what it held."""
-    mounted = []
-    try:
+    with contextlib.ExitStack() as stack:
         for root, size in zip(roots, kib):
             memory = Path(root) / MEMORY
-            kept = Path(f"{root}-kept")
-            shutil.copytree(memory, kept)
-            made = subprocess.run(
-                ["mount", "-t", "tmpfs", "-o", f"size={size}k", "tmpfs", str(memory)],
-                capture_output=True, text=True,
-            )  # fmt: skip
-            if made.returncode != 0:
-                pytest.skip(f"a tmpfs of a set size cannot be mounted here: {made.stderr.strip()}")
-            mounted.append(memory)
+            kept = Path(shutil.copytree(memory, f"{root}-kept"))
+            stack.enter_context(small_tmpfs(memory, f"{size}k"))
             for f in kept.iterdir():
                 shutil.copy2(f, memory / f.name)
         yield
-    finally:
-        for memory in mounted:
-            subprocess.run(["umount", str(memory)], check=True)
 
 
 def _used_kib(root: str) -> int:
     return sum(f.stat().st_size for f in (Path(root) / MEMORY).iterdir()) // 1024
+
+
+def _no_room_made_job(job: functools.partial) -> dict:
+    """``job`` with the old world's files kept whatever the room (``_make_room`` makes none)."""
+    from ddpkit.snapshot._memory import MemoryStore
+
+    MemoryStore._make_room = lambda self, needed: False  # type: ignore[method-assign]
+    return job()
+
+
+def _shrunk_in_little_room(tmp: Path, name: str, capfd, wrap=None) -> tuple[dict, str, dict, list]:
+    """Three nodes of one rank under ``fsdp``, node 1 lost, resumed on the other two in room for
+    the old world's files and 100 KiB more (``wrap``: around the resumed job); its final state,
+    what it said, its resume and the room (KiB) of each node."""
+    roots = _roots(tmp, name, 3)
+    lost = functools.partial(_trainer_job, roots, str(tmp / name), "fsdp", 2)
+    with pytest.raises(Exception, match="planned failure"):
+        run_on_ranks(functools.partial(lost, True), 3, env=_as_nodes(roots))
+    _lose_node(roots[1])
+    left = [roots[0], roots[2]]
+    kib = [_used_kib(root) + 100 for root in left]
+    resumed = functools.partial(lost, False)
+    capfd.readouterr()
+    with _memory_of(left, kib):
+        final = _on(left, functools.partial(wrap, resumed) if wrap else resumed, 2)
+    said = capfd.readouterr()
+    (event,) = _resumes(tmp / name)
+    return final, said.out + said.err, event, kib
 
 
 @pytest.mark.slow
@@ -530,37 +547,24 @@ def _used_kib(root: str) -> int:
 @pytest.mark.torch_at_least(2, 7, "its fsdp job on the CPU")
 def test_the_old_worlds_copies_make_room_for_the_new_worlds_when_memory_is_full(tmp_path, capfd):
     """Node 1 of 3 lost under ``fsdp``, and each node left with room for the old world's files and
-    100 KiB more, less than the world of two's copies need beside them (though enough for them
-    alone: the control). Resumed on two from the old world's copies, the first copy that finds
-    memory full removes them, saying so, and the copies go on, to the bits of an uninterrupted
-    run's."""
-    roots = _roots(tmp_path, "lost", 3)
-    lost = functools.partial(_trainer_job, roots, str(tmp_path / "lost"), "fsdp", 2)
-    with pytest.raises(Exception, match="planned failure"):
-        run_on_ranks(functools.partial(lost, True), 3, env=_as_nodes(roots))
-    _lose_node(roots[1])
-    left = [roots[0], roots[2]]
-    kib = [_used_kib(root) + 100 for root in left]
-    capfd.readouterr()
-    with _memory_of(left, kib):
-        final = _on(left, functools.partial(lost, False), 2)
-    said = capfd.readouterr()
-    lines = said.out + said.err
-    assert lines.count("removed from this node to make room for this world's") == 2, lines
-    assert "snapshots in memory stop" not in lines
-    (event,) = _resumes(tmp_path / "lost")
+    100 KiB more: less than the world of two's copies need beside them, though enough for them
+    alone. Resumed on two from the old world's copies, the first write that finds memory full
+    removes them on its node, saying so, and the copies go on, to the bits of a disk snapshot of
+    the same step resumed on two. Controls: with the old files kept the copies stop; a world of
+    two alone keeps its copies in the same room."""
+    final, said, event, kib = _shrunk_in_little_room(tmp_path, "lost", capfd)
+    assert said.count("removed from this node") == 2, said
+    assert "snapshots in memory stop" not in said
     assert event["file"] == "memory (taken on 3 ranks)" and event["world_size"] == 2
     assert final["copying"] and final["step"] == STEPS
     reference, _ = _from_disk(tmp_path, "fsdp", event["step"], 3, [0, 2])
     assert _same(final, reference, "fsdp")
-    # Control: a world of two alone keeps its copies in the same room.
+    kept, said, _, _ = _shrunk_in_little_room(tmp_path, "kept", capfd, _no_room_made_job)
+    assert not kept["copying"] and "snapshots in memory stop" in said, said
     fresh = _roots(tmp_path, "fresh", 2)
+    job = functools.partial(_trainer_job, fresh, str(tmp_path / "fresh"), "fsdp", 2, False)
     with _memory_of(fresh, kib):
-        alone = _on(
-            fresh,
-            functools.partial(_trainer_job, fresh, str(tmp_path / "fresh"), "fsdp", 2, False),
-            2,
-        )
+        alone = _on(fresh, job, 2)
     said = capfd.readouterr()
     assert alone["copying"] and "snapshots in memory stop" not in said.out + said.err
 

@@ -17,6 +17,7 @@ from ddpkit.snapshot._interval import interval_of
 from ddpkit.snapshot._resized import Piece, checked_boxes, plan
 from ddpkit.strategies._base import PER_RANK
 from ddpkit.training._config import SnapshotConfig
+from tests.tmpfs import small_tmpfs
 
 # -- where the copies go ---------------------------------------------------------------------------
 
@@ -452,3 +453,35 @@ def test_a_layout_checked_once_per_source_is_not_laid_out_again_but_its_bytes_ar
     assert "fail their checksum" in (_arrive(files, 1, bytes(data)) or "")
     # another layout is laid out again
     assert _arrive(files, 1, _slot(1, 4, [torch.zeros(9)])) is None and len(calls) == 2
+
+
+def _arriving_where_full(folder, make_room) -> tuple[rl.Arrival, rl.ReplicaFiles]:
+    """Rank 1's copy of 512 KiB arriving in a memory of 1 MiB that a file of 900 KiB fills."""
+    files = rl.ReplicaFiles(folder, job="id:j", run="run", world_size=2, sources=[1])
+    (folder / "filler").write_bytes(bytes(900 << 10))
+    files.make_room = make_room
+    return files.arriving(1, 512 << 10), files
+
+
+def test_a_copy_that_finds_memory_full_is_tried_once_more_where_room_was_made(tmp_path):
+    """Memory full for an arriving copy: where ``make_room`` made room, the copy lands in its
+    file; where it made none, the copy goes to a buffer of the heap, the files say why, and the
+    copy is tried once more at most."""
+    asked: list[int] = []
+
+    def made(needed: int) -> bool:
+        asked.append(needed)
+        (folder / "filler").unlink()
+        return True
+
+    with small_tmpfs(tmp_path / "made", "1m") as folder:
+        arrival, files = _arriving_where_full(folder, made)
+        assert arrival.copy is not None and files.full is None and asked == [512 << 10]
+    with small_tmpfs(tmp_path / "none", "1m") as folder:
+        arrival, files = _arriving_where_full(folder, lambda needed: False)
+        assert arrival.copy is None and files.full is not None and "no room" in files.full
+    tries: list[int] = []
+    with small_tmpfs(tmp_path / "still", "1m") as folder:
+        # room said to be made, memory still full: one more try, then the heap
+        arrival, files = _arriving_where_full(folder, lambda needed: tries.append(needed) or True)
+        assert arrival.copy is None and files.full is not None and len(tries) == 1
