@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 import threading
 import time
@@ -261,7 +260,7 @@ class MemoryStore:
         other of the training and the transfer's thread). Each node decides for itself."""
         with self._room:
             try:
-                free = _free_bytes(self.slots.folder)
+                free = slots_lib.free_bytes(self.slots.folder)
                 if free >= needed:
                     return True
                 old = self.old_world.removable()
@@ -815,13 +814,6 @@ class _Plan:
     watch: _Watch
     signature: tuple[Any, ...]
     ident: int
-
-
-def _free_bytes(folder: Path) -> int:
-    """The bytes a file in ``folder`` may still take (its file system's, for an unprivileged
-    user)."""
-    st = os.statvfs(folder)
-    return st.f_bavail * st.f_frsize
 
 
 def _size(path: Path) -> int:

@@ -83,14 +83,20 @@ def memory_folder() -> tuple[Path | None, str]:
     return folder, f"{torchrun.run_id(os.environ)}:{job.name}"
 
 
+def free_bytes(folder: str | os.PathLike[str]) -> int:
+    """The bytes a file in ``folder`` may still take (its file system's, for an unprivileged
+    user); OSError where it cannot be told."""
+    info = os.statvfs(folder)
+    return info.f_bavail * info.f_frsize
+
+
 def room_warning(folder: str | os.PathLike[str], need: int) -> str | None:
     """A warning when the file system of ``folder`` has less free room than ``need`` bytes (a
     container's 64 MiB ``/dev/shm``)."""
     try:
-        info = os.statvfs(folder)
+        free = free_bytes(folder)
     except OSError:
         return None
-    free = info.f_bavail * info.f_frsize
     if free >= need:
         return None
     return (
